@@ -1,0 +1,183 @@
+"""Offline compilation with NVRTC: source to cubin plus the compiler's resource report.
+
+Runs without a GPU or a driver (cuda-bindings' NVRTC is a plain library), so every target
+can be checked on a CPU-only machine, and the same path builds the cubins a GPU loads. A
+compile error is a result (``ok=False`` with the log), never an exception.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from evoengine import paths
+from evoengine.arch import Arch, get_arch
+from evoengine.render import Candidate, render
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    identity: str
+    arch: str
+    ok: bool
+    registers: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    stack_bytes: int | None = None
+    smem_bytes: int | None = None  # dynamic shared memory the launch reserves
+    seconds: float = 0.0
+    error: str | None = None
+    log: str = field(default="", repr=False)
+    cubin: bytes | None = field(default=None, repr=False)
+
+    @property
+    def spill_bytes(self) -> int | None:
+        if self.spill_stores is None or self.spill_loads is None:
+            return None
+        return self.spill_stores + self.spill_loads
+
+    def report(self) -> dict[str, object]:
+        """The JSON-able summary, without the cubin and the full log."""
+        out = asdict(self)
+        out.pop("cubin")
+        out.pop("log")
+        out["spill_bytes"] = self.spill_bytes
+        return out
+
+
+def cuda_include_dirs() -> list[str]:
+    """Directories holding cuda_fp16.h and mma.h, which the wmma family includes."""
+    found = []
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            found.append(Path(os.environ[env]) / "include")
+    found.append(Path("/usr/local/cuda/include"))
+    for entry in sys.path:  # the nvidia-cuda-runtime wheel's headers
+        found.extend(sorted(Path(entry).glob("nvidia/cu*/include")))
+        found.append(Path(entry) / "nvidia" / "cuda_runtime" / "include")
+    seen: list[str] = []
+    for d in found:
+        if (d / "cuda_fp16.h").is_file() and str(d) not in seen:
+            seen.append(str(d))
+    return seen[:1]
+
+
+def nvrtc_options(arch: Arch, defines: dict[str, int]) -> list[str]:
+    opts = [f"--gpu-architecture={arch.name}", "-std=c++17", "-Xptxas=-v", "--extra-device-vectorization"]
+    opts += [f"-D{k}={v}" for k, v in defines.items()]
+    opts += [f"-I{d}" for d in cuda_include_dirs()]
+    return opts
+
+
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"nvrtc {major}.{minor}"
+
+
+_REGS = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def compile_source(source: str, arch: Arch, defines: dict[str, int], *, identity: str = "",
+                   smem_bytes: int | None = None) -> CompileResult:
+    """Compile one translation unit to a cubin for ``arch``."""
+    from cuda.bindings import nvrtc
+
+    start = time.perf_counter()
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{identity or 'kernel'}.cu".encode(),
+                                         0, [], [])
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        return CompileResult(identity, arch.name, False, error=f"nvrtcCreateProgram: {err}")
+    try:
+        opts = [o.encode() for o in nvrtc_options(arch, defines)]
+        (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = buf.rstrip(b"\0 ").decode(errors="replace")
+        seconds = time.perf_counter() - start
+        if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            return CompileResult(identity, arch.name, False, seconds=seconds,
+                                 error=_first_error(log), log=log, smem_bytes=smem_bytes)
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    regs = _REGS.search(log)
+    spill = _SPILL.search(log)
+    return CompileResult(
+        identity, arch.name, True,
+        registers=int(regs.group(1)) if regs else None,
+        stack_bytes=int(spill.group(1)) if spill else None,
+        spill_stores=int(spill.group(2)) if spill else None,
+        spill_loads=int(spill.group(3)) if spill else None,
+        smem_bytes=smem_bytes, seconds=seconds, log=log, cubin=cubin,
+    )
+
+
+def _first_error(log: str) -> str:
+    for line in log.splitlines():
+        if "error" in line:
+            return line.strip()
+    return log.strip().splitlines()[0] if log.strip() else "compilation failed"
+
+
+def compile_candidate(candidate: Candidate, arch: Arch | str) -> CompileResult:
+    """Render and compile, going through the on-disk cubin cache."""
+    arch = get_arch(arch) if isinstance(arch, str) else arch
+    cached = _cache_path(candidate.identity, arch)
+    meta = cached.with_suffix(".json")
+    if cached.is_file() and meta.is_file():
+        import json
+
+        report = json.loads(meta.read_text())
+        return CompileResult(**{**report, "cubin": cached.read_bytes(), "log": ""})
+    result = compile_source(render(candidate), arch, candidate.defines(arch),
+                            identity=candidate.identity, smem_bytes=candidate.smem_bytes)
+    if result.ok and result.cubin is not None:
+        _cache_write(cached, result)
+    return result
+
+
+def _cache_path(identity: str, arch: Arch) -> Path:
+    return paths.cache_dir() / "cubin" / arch.name / f"{identity}.cubin"
+
+
+def _cache_write(path: Path, result: CompileResult) -> None:
+    """Write cubin then report, each atomically, so a reader never sees half an entry."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = result.report()
+    report.pop("spill_bytes")
+    for target, data in ((path, result.cubin), (path.with_suffix(".json"),
+                                                json.dumps(report).encode())):
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)  # type: ignore[arg-type]
+        os.replace(tmp, target)
+
+
+def _compile_job(args: tuple[Candidate, str]) -> CompileResult:
+    return compile_candidate(*args)
+
+
+def compile_many(candidates: Iterable[Candidate], arch: Arch | str,
+                 workers: int | None = None) -> Iterator[CompileResult]:
+    """Compile in worker processes; results come back in the order given."""
+    arch_name = arch if isinstance(arch, str) else arch.name
+    jobs = [(c, arch_name) for c in candidates]
+    workers = workers or min(len(jobs), os.cpu_count() or 1) or 1
+    if workers == 1:
+        yield from map(_compile_job, jobs)
+        return
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        yield from pool.map(_compile_job, jobs)

@@ -1,0 +1,98 @@
+"""Timing on the GPU, the way careful benchmarks do it.
+
+CUDA events around each call, after a warm-up; the median over many repetitions, with the
+spread (interquartile range) kept; inputs rotated among enough copies that they don't sit
+in L2; and, for calls short enough that launch gaps would dominate, a CUDA graph of many
+calls replayed and divided by its length.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Inputs are rotated until the bytes touched exceed this (H100: 50 MB of L2, H200: 60 MB).
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+GRAPH_BELOW_US = 50.0  # calls shorter than this are timed by graph replay
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    spread_us: float  # interquartile range
+    reps: int
+    graph: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"median_us": self.median_us, "spread_us": self.spread_us, "reps": self.reps,
+                "graph": self.graph}
+
+
+def copies_needed(bytes_per_set: int) -> int:
+    """How many input sets to rotate so consecutive calls miss in L2."""
+    return max(2, min(64, -(-L2_FLUSH_BYTES // max(1, bytes_per_set))))
+
+
+def time_calls(fn: Callable[[int], None], n_sets: int, *, reps: int = 50, warmup: int = 10,
+               graph: bool | None = None) -> Timing:
+    """Time ``fn(i)``, which runs the call on input set ``i % n_sets``.
+
+    ``graph=None`` picks graph replay when one eager call takes under ``GRAPH_BELOW_US``.
+    """
+    import torch
+
+    for i in range(warmup):
+        fn(i % n_sets)
+    torch.cuda.synchronize()
+    eager = _time_eager(fn, n_sets, reps)
+    if graph is False or (graph is None and eager.median_us >= GRAPH_BELOW_US):
+        return eager
+    return _time_graph(fn, n_sets, reps)
+
+
+def _time_eager(fn: Callable[[int], None], n_sets: int, reps: int) -> Timing:
+    import torch
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        fn(i % n_sets)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return _summary([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)], False)
+
+
+def _time_graph(fn: Callable[[int], None], n_sets: int, reps: int, per_graph: int = 64) -> Timing:
+    """Capture ``per_graph`` calls cycling over the sets; time each replay."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):  # warm up on the capture stream
+            fn(i % n_sets)
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(per_graph):
+            fn(i % n_sets)
+    g.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(max(5, reps // 4)):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / per_graph)
+    return _summary(samples, True)
+
+
+def _summary(samples_us: Sequence[float], graph: bool) -> Timing:
+    q = statistics.quantiles(samples_us, n=4) if len(samples_us) >= 4 else [0.0, 0.0, 0.0]
+    return Timing(statistics.median(samples_us), q[2] - q[0], len(samples_us), graph)

@@ -1,0 +1,118 @@
+"""Render a family's Jinja2 template over one point of its space into CUDA source.
+
+A candidate's identity is its family, the hash of the family's template files, and every
+problem dimension and parameter in declared order. The same string names the compile-cache
+entry, the generated source file and the store's unique key.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import jinja2
+
+from evoengine import paths
+from evoengine.arch import Arch
+from evoengine.space import SearchSpace
+
+KERNEL_NAME = "attn_fwd"
+
+
+@functools.cache
+def template_hash(family: str) -> str:
+    """Content hash of a family's template folder and the shared includes it uses."""
+    h = hashlib.sha256()
+    for folder in (paths.TEMPLATES / "common", paths.TEMPLATES / family):
+        for f in sorted(folder.rglob("*")):
+            if f.is_file():
+                h.update(f.relative_to(paths.TEMPLATES).as_posix().encode() + b"\0")
+                h.update(f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def make_identity(family: str, problem: Mapping[str, object], params: Mapping[str, object]) -> str:
+    parts = [f"{k.lower()}{_fmt(v)}" for k, v in (*problem.items(), *params.items())]
+    return "-".join([family, *parts, template_hash(family)])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of a space for one problem: everything needed to build and launch it."""
+
+    family: str
+    problem: dict[str, object]
+    params: dict[str, object]
+    derived: dict[str, object] = field(compare=False)
+
+    @property
+    def identity(self) -> str:
+        return make_identity(self.family, self.problem, self.params)
+
+    @property
+    def template_hash(self) -> str:
+        return template_hash(self.family)
+
+    @property
+    def threads(self) -> int:
+        return int(self.derived["THREADS"])  # type: ignore[call-overload]
+
+    @property
+    def smem_bytes(self) -> int:
+        return int(self.derived["SMEM_BYTES"])  # type: ignore[call-overload]
+
+    @property
+    def block_m(self) -> int:
+        return int(self.params["BLOCK_M"])  # type: ignore[call-overload]
+
+    def defines(self, arch: Arch) -> dict[str, int]:
+        """Preprocessor values passed at compile time; the source itself is arch-independent."""
+        return {"EVO_SMEM_LIMIT": arch.smem_per_block, "EVO_SMEM_BYTES": self.smem_bytes}
+
+
+def make_candidate(space: SearchSpace, params: Mapping[str, object],
+                   problem: Mapping[str, object], arch: Arch) -> Candidate:
+    """A candidate with its derived values; raises ``ValueError`` if constraints reject it."""
+    bad = space.violations(params, problem, arch)
+    if bad:
+        raise ValueError("rejected by the search space: " + "; ".join(bad))
+    ordered = {k: params[k] for k in space.parameters}
+    env = space.env(ordered, problem, arch)
+    derived = {k: env[k] for k in space.derived}
+    return Candidate(space.family, dict(problem), ordered, derived)
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    # Statements are written /*% ... %*/ so that inline PTX operands ("{%0, %1}") and C++
+    # brace initialisers never read as Jinja; values stay {{ NAME }}.
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(paths.TEMPLATES)),
+        block_start_string="/*%",
+        block_end_string="%*/",
+        comment_start_string="/*#",
+        comment_end_string="#*/",
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def render(candidate: Candidate) -> str:
+    """The candidate's CUDA source, deterministic for a given identity."""
+    template = _environment().get_template(f"{candidate.family}/kernel.cu.j2")
+    return template.render(
+        identity=candidate.identity,
+        family=candidate.family,
+        template_hash=candidate.template_hash,
+        **candidate.problem,
+        **candidate.params,
+    )

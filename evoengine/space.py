@@ -1,0 +1,189 @@
+"""Search spaces: parameters, their domains and the constraints checked before compiling.
+
+A space is a TOML file under ``search_spaces/`` (see ``search_spaces/mma.toml``):
+
+- ``family``, ``description``, ``archs``: which template it tunes and for which targets;
+- ``[problem]``: the workload dimensions compiled into a kernel (head dim, dtype, causal).
+  Results for different values are incomparable; the lists are the defaults that
+  ``compile-check`` sweeps;
+- ``[parameters]``: each searched parameter and its domain, in the order that names a
+  candidate;
+- ``[derived]``: named expressions computed from the above, in order (shared memory, ...);
+- ``[[constraints]]``: a ``rule`` that must hold and ``why`` it must, so a rejected candidate
+  says what it broke.
+
+Expressions may read the problem, the parameters, earlier derived values and the target's
+limits (``SM``, ``SMEM_LIMIT``, ``MAX_THREADS``, ``REGS_PER_SM``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import tomllib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from evoengine import paths
+from evoengine.arch import Arch, get_arch
+from evoengine.expr import Expr, ExprError
+
+_ARCH_NAMES = frozenset(("SM", "SMEM_LIMIT", "MAX_THREADS", "REGS_PER_SM"))
+_TOP_KEYS = {"family", "description", "archs", "problem", "parameters", "derived", "constraints"}
+
+
+class SpaceError(ValueError):
+    """A search-space file is malformed; the message names the file and the entry."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    rule: Expr
+    why: str
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    family: str
+    description: str
+    archs: tuple[str, ...]
+    problem: dict[str, tuple[object, ...]]
+    parameters: dict[str, tuple[object, ...]]
+    derived: dict[str, Expr]
+    constraints: tuple[Constraint, ...]
+    path: Path | None = field(default=None, compare=False)
+
+    @classmethod
+    def load(cls, path: str | Path) -> SearchSpace:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise SpaceError(f"{path}: no such search-space file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise SpaceError(f"{path}: not valid TOML: {e}") from None
+        return cls.from_dict(data, path=path)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object], path: Path | None = None) -> SearchSpace:
+        where = str(path) if path else "search space"
+
+        def fail(msg: str) -> SpaceError:
+            return SpaceError(f"{where}: {msg}")
+
+        unknown = set(data) - _TOP_KEYS
+        if unknown:
+            raise fail(f"unknown keys {sorted(unknown)}; expected {sorted(_TOP_KEYS)}")
+        for key in ("family", "archs", "problem", "parameters"):
+            if key not in data:
+                raise fail(f"missing {key!r}")
+        family = data["family"]
+        if not isinstance(family, str) or not (paths.TEMPLATES / family).is_dir():
+            raise fail(f"family {family!r} has no folder under {paths.TEMPLATES}")
+        archs = tuple(data["archs"])  # type: ignore[arg-type]
+        for a in archs:
+            try:
+                get_arch(a)
+            except ValueError as e:
+                raise fail(str(e)) from None
+
+        def domains(section: str) -> dict[str, tuple[object, ...]]:
+            table = data[section]
+            if not isinstance(table, dict):
+                raise fail(f"[{section}] must be a table")
+            out = {}
+            for name, values in table.items():
+                if not isinstance(values, list) or not values:
+                    raise fail(f"{section}.{name} must be a non-empty list of values")
+                out[name] = tuple(values)
+            return out
+
+        problem, parameters = domains("problem"), domains("parameters")
+        clash = set(problem) & set(parameters)
+        if clash:
+            raise fail(f"names in both [problem] and [parameters]: {sorted(clash)}")
+        known = set(problem) | set(parameters) | _ARCH_NAMES
+        derived: dict[str, Expr] = {}
+        for name, text in dict(data.get("derived", {})).items():  # type: ignore[call-overload]
+            derived[name] = cls._expr(text, known, fail, f"derived.{name}")
+            known.add(name)
+        constraints = []
+        for i, c in enumerate(data.get("constraints", [])):  # type: ignore[arg-type]
+            if not isinstance(c, dict) or set(c) != {"rule", "why"}:
+                raise fail(f"constraints[{i}] must have exactly 'rule' and 'why'")
+            constraints.append(Constraint(cls._expr(c["rule"], known, fail, c["rule"]), c["why"]))
+        return cls(family, str(data.get("description", "")), archs, problem, parameters,
+                   derived, tuple(constraints), path)
+
+    @staticmethod
+    def _expr(text: object, known: set[str], fail, what: str) -> Expr:  # type: ignore[no-untyped-def]
+        if not isinstance(text, str):
+            raise fail(f"{what}: expected an expression string")
+        try:
+            expr = Expr(text)
+        except ExprError as e:
+            raise fail(f"{what}: {e}") from None
+        missing = expr.names - known
+        if missing:
+            raise fail(f"{what}: unknown names {sorted(missing)}")
+        return expr
+
+    # ---- evaluation ---------------------------------------------------------------------
+
+    def supports(self, arch: Arch) -> bool:
+        return arch.name in self.archs
+
+    def env(self, params: Mapping[str, object], problem: Mapping[str, object],
+            arch: Arch) -> dict[str, object]:
+        """Every name a constraint can see, derived values included."""
+        env: dict[str, object] = {**arch.as_names(), **problem, **params}
+        for name, expr in self.derived.items():
+            env[name] = expr(env)
+        return env
+
+    def violations(self, params: Mapping[str, object], problem: Mapping[str, object],
+                   arch: Arch) -> list[str]:
+        """The ``why`` of every constraint the candidate breaks; empty when admitted."""
+        if not self.supports(arch):
+            return [f"family {self.family} does not target {arch.name}"]
+        bad = [f"{k}={v!r} not in {self.parameters[k]}" for k, v in params.items()
+               if k in self.parameters and v not in self.parameters[k]]
+        missing = set(self.parameters) - set(params)
+        if missing:
+            bad.append(f"missing parameters {sorted(missing)}")
+        if bad:
+            return bad
+        env = self.env(params, problem, arch)
+        return [f"{c.why} ({c.rule.text})" for c in self.constraints if not c.rule(env)]
+
+    def problems(self) -> Iterator[dict[str, object]]:
+        """Every combination of the default problem dimensions."""
+        for values in itertools.product(*self.problem.values()):
+            yield dict(zip(self.problem, values))
+
+    def grid(self) -> Iterator[dict[str, object]]:
+        """Every parameter combination, admitted or not, in declared order."""
+        for values in itertools.product(*self.parameters.values()):
+            yield dict(zip(self.parameters, values))
+
+    def admitted(self, problem: Mapping[str, object], arch: Arch) -> list[dict[str, object]]:
+        return [p for p in self.grid() if not self.violations(p, problem, arch)]
+
+    def size(self) -> int:
+        n = 1
+        for values in self.parameters.values():
+            n *= len(values)
+        return n
+
+
+def default_spaces() -> list[SearchSpace]:
+    """Every space shipped under ``search_spaces/``."""
+    return [SearchSpace.load(p) for p in sorted(paths.SPACES.glob("*.toml"))]
+
+
+def sample(items: list, n: int | None, seed: int = 0) -> list:
+    """A deterministic spread of ``n`` items (all of them when ``n`` is None or larger)."""
+    if n is None or n >= len(items):
+        return list(items)
+    return random.Random(seed).sample(items, n)

@@ -1,0 +1,28 @@
+"""Persistence of runs, candidates, compile reports, measurements and elites.
+
+``Store(url)`` opens (and migrates) the database; everything it returns is a frozen record
+from ``records``. The schema lives in ``models`` and evolves through ``migrations``.
+"""
+
+from __future__ import annotations
+
+from evoengine.store._sql import DEFAULT_URL, Store
+from evoengine.store.migrations import LATEST_VERSION
+from evoengine.store.records import (
+    CandidateRecord,
+    CompileReportRecord,
+    EliteRecord,
+    MeasurementRecord,
+    RunRecord,
+)
+
+__all__ = [
+    "DEFAULT_URL",
+    "LATEST_VERSION",
+    "CandidateRecord",
+    "CompileReportRecord",
+    "EliteRecord",
+    "MeasurementRecord",
+    "RunRecord",
+    "Store",
+]

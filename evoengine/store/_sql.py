@@ -1,0 +1,529 @@
+"""The store: runs, candidates, compile reports, measurements and elites in one SQL database."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Engine
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
+from sqlalchemy.orm import Session, contains_eager, selectinload, sessionmaker
+
+from evoengine.store import migrations
+from evoengine.store.models import (
+    RUN_STATUSES,
+    Candidate,
+    CompileReport,
+    Elite,
+    Measurement,
+    Run,
+    utcnow,
+)
+from evoengine.store.records import (
+    CandidateRecord,
+    CompileReportRecord,
+    EliteRecord,
+    MeasurementRecord,
+    RunRecord,
+)
+
+DEFAULT_URL = "sqlite:///runs/evoengine.db"
+_FINISHED_STATUSES = tuple(status for status in RUN_STATUSES if status != "running")
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's message without SQLAlchemy's trailing background-link lines."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _resolve_sqlite_path(url: URL) -> URL:
+    """Make a file database's path absolute and create its folder.
+
+    A relative path would otherwise be resolved again, against whatever the working
+    directory is, each time the pool opens a connection.
+    """
+    database = url.database or ""
+    if database in ("", ":memory:") or database.startswith("file:"):
+        return url
+    path = Path(database).expanduser().resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return url.set(database=str(path))
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    """WAL, a 30 s busy wait, enforced foreign keys, and real transactions.
+
+    ``sqlite3`` on its own neither BEGINs before DDL (so a migration step would not be
+    atomic) nor before SELECT. Emitting ``BEGIN IMMEDIATE`` ourselves takes the write lock
+    up front: a transaction that read first and wrote second could otherwise fail at once
+    with SQLITE_BUSY when another process wrote in between, busy timeout or not. Reads
+    take the lock too, so store calls from several processes queue for the milliseconds a
+    transaction lasts; under WAL other programs' readers are never blocked.
+    """
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.execute("PRAGMA foreign_keys=ON")
+        finally:
+            cursor.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _open_engine(url: str) -> Engine:
+    """An engine for ``url``, checked by connecting once; any failure is a one-line ValueError."""
+    try:
+        parsed = sa.make_url(url)
+    except ArgumentError as exc:
+        raise ValueError(f"invalid store URL {url!r}: {_first_line(exc)}") from None
+    shown = parsed.render_as_string(hide_password=True)
+    try:
+        if parsed.get_backend_name() == "sqlite":
+            parsed = _resolve_sqlite_path(parsed)
+        engine = sa.create_engine(parsed)
+    except (ArgumentError, ImportError, OSError) as exc:
+        raise ValueError(f"invalid store URL {shown!r}: {_first_line(exc)}") from None
+    if engine.dialect.name == "sqlite":
+        _configure_sqlite(engine)
+    try:
+        with engine.connect():
+            pass
+    except DBAPIError as exc:
+        engine.dispose()
+        raise ValueError(f"cannot open store URL {shown!r}: {_first_line(exc)}") from None
+    return engine
+
+
+def _run_record(row: Run) -> RunRecord:
+    return RunRecord(
+        id=row.id,
+        created_at=row.created_at,
+        finished_at=row.finished_at,
+        status=row.status,
+        arch=row.arch,
+        device=row.device,
+        versions=row.versions,
+        commit=row.commit,
+        workload=row.workload,
+        workload_key=row.workload_key,
+        study=row.study,
+        notes=row.notes,
+    )
+
+
+def _compile_report_record(row: CompileReport) -> CompileReportRecord:
+    return CompileReportRecord(
+        arch=row.arch,
+        ok=row.ok,
+        registers=row.registers,
+        spill_bytes=row.spill_bytes,
+        smem_bytes=row.smem_bytes,
+        compile_seconds=row.compile_seconds,
+        error=row.error,
+        compiler=row.compiler,
+        created_at=row.created_at,
+    )
+
+
+def _candidate_record(row: Candidate) -> CandidateRecord:
+    return CandidateRecord(
+        id=row.id,
+        identity=row.identity,
+        family=row.family,
+        template_hash=row.template_hash,
+        params=row.params,
+        problem=row.problem,
+        source=row.source,
+        created_at=row.created_at,
+        compile_reports={r.arch: _compile_report_record(r) for r in row.compile_reports},
+    )
+
+
+def _measurement_record(row: Measurement) -> MeasurementRecord:
+    return MeasurementRecord(
+        id=row.id,
+        run_id=row.run_id,
+        identity=row.candidate.identity,
+        ok=row.ok,
+        reason=row.reason,
+        median_us=row.median_us,
+        spread_us=row.spread_us,
+        max_err=row.max_err,
+        tolerance=row.tolerance,
+        tflops=row.tflops,
+        extra=row.extra,
+        created_at=row.created_at,
+    )
+
+
+def _elite_record(row: Elite) -> EliteRecord:
+    return EliteRecord(
+        arch=row.arch,
+        workload_key=row.workload_key,
+        rank=row.rank,
+        identity=row.candidate.identity,
+        family=row.candidate.family,
+        params=row.candidate.params,
+        problem=row.candidate.problem,
+        median_us=row.median_us,
+        run_id=row.run_id,
+        updated_at=row.updated_at,
+    )
+
+
+class Store:
+    """Everything the search records, in the SQL database named by ``url``.
+
+    ``None`` means ``sqlite:///runs/evoengine.db`` under the current directory; any
+    SQLAlchemy URL is accepted, and the schema is written for SQLite and PostgreSQL (only
+    SQLite runs in the tests; PostgreSQL's DDL is rendered there). Opening applies any
+    missing schema migrations. Only tables named ``evo_*`` are ever touched, so Optuna can
+    share the database. Methods return frozen records, never live ORM objects.
+
+    Raises ``ValueError`` for a URL that cannot be parsed or opened, ``RuntimeError`` for a
+    database written by a newer evoengine, and ``KeyError`` when a method is given a run id
+    or candidate identity that is not stored.
+    """
+
+    def __init__(self, url: str | None = None) -> None:
+        self._engine = _open_engine(DEFAULT_URL if url is None else url)
+        # The URL actually opened (a SQLite path made absolute), e.g. for Optuna to share.
+        self.url: str = self._engine.url.render_as_string(hide_password=False)
+        try:
+            migrations.upgrade(self._engine)
+        except BaseException:
+            self._engine.dispose()
+            raise
+        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+
+    def __repr__(self) -> str:
+        return f"Store({self._engine.url.render_as_string(hide_password=True)!r})"
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the pooled connections; call it when done, or use the store in a ``with``."""
+        self._engine.dispose()
+
+    @contextmanager
+    def _session(self) -> Iterator[Session]:
+        """The one place a session is opened: commit on success, roll back on error, close."""
+        session = self._sessions()
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
+
+    @property
+    def schema_version(self) -> int:
+        """The schema version of the database, as recorded in ``evo_schema``."""
+        with self._session() as session:
+            return migrations.current_version(session.connection())
+
+    # Runs
+
+    def start_run(
+        self,
+        *,
+        arch: str,
+        workload: dict[str, Any],
+        workload_key: str,
+        device: str | None = None,
+        versions: dict[str, Any] | None = None,
+        commit: str | None = None,
+        study: str | None = None,
+    ) -> int:
+        """Record a run as started now, with status ``"running"``; returns its id."""
+        run = Run(
+            status="running",
+            arch=arch,
+            device=device,
+            versions=dict(versions or {}),
+            commit=commit,
+            workload=dict(workload),
+            workload_key=workload_key,
+            study=study,
+        )
+        with self._session() as session:
+            session.add(run)
+            session.flush()
+            return run.id
+
+    def finish_run(self, run_id: int, status: str = "done") -> None:
+        """Mark a run finished now with ``status`` (``"done"``, ``"interrupted"``, ``"failed"``)."""
+        if status not in _FINISHED_STATUSES:
+            raise ValueError(f"a run finishes as one of {_FINISHED_STATUSES}, got {status!r}")
+        with self._session() as session:
+            run = session.get(Run, run_id)
+            if run is None:
+                raise KeyError(f"no run {run_id}")
+            run.status = status
+            run.finished_at = utcnow()
+
+    def run(self, run_id: int) -> RunRecord | None:
+        """The run with this id, or ``None``."""
+        with self._session() as session:
+            row = session.get(Run, run_id)
+            return None if row is None else _run_record(row)
+
+    def runs(self, *, limit: int | None = None) -> list[RunRecord]:
+        """Runs newest first, so ``limit=n`` gives the last ``n``."""
+        with self._session() as session:
+            rows = session.scalars(sa.select(Run).order_by(Run.id.desc()).limit(limit))
+            return [_run_record(row) for row in rows]
+
+    # Candidates and compile reports
+
+    def add_candidate(
+        self,
+        *,
+        identity: str,
+        family: str,
+        template_hash: str,
+        params: dict[str, Any],
+        problem: dict[str, Any],
+        source: str,
+    ) -> int:
+        """Store a rendered candidate once; returns its id, the existing one on a repeat.
+
+        The identity is derived from everything else given here, so a repeat is the same
+        candidate and its stored fields are left as they are.
+        """
+        with self._session() as session:
+            existing = self._candidate_id(session, identity)
+            if existing is not None:
+                return existing
+            row = Candidate(
+                identity=identity,
+                family=family,
+                template_hash=template_hash,
+                params=dict(params),
+                problem=dict(problem),
+                source=source,
+            )
+            try:
+                # A concurrent writer may insert the same identity first (PostgreSQL; on
+                # SQLite the write lock already excludes it): then use that row.
+                with session.begin_nested():
+                    session.add(row)
+            except IntegrityError:
+                existing = self._candidate_id(session, identity)
+                if existing is None:
+                    raise
+                return existing
+            return row.id
+
+    def set_compile_report(
+        self,
+        identity: str,
+        *,
+        arch: str,
+        ok: bool,
+        registers: int | None = None,
+        spill_bytes: int | None = None,
+        smem_bytes: int | None = None,
+        compile_seconds: float | None = None,
+        error: str | None = None,
+        compiler: str | None = None,
+    ) -> None:
+        """Record how compiling ``identity`` for ``arch`` went, replacing any earlier report."""
+        fields = {
+            "ok": ok,
+            "registers": registers,
+            "spill_bytes": spill_bytes,
+            "smem_bytes": smem_bytes,
+            "compile_seconds": compile_seconds,
+            "error": error,
+            "compiler": compiler,
+            "created_at": utcnow(),
+        }
+        with self._session() as session:
+            candidate_id = self._require_candidate_id(session, identity)
+            report = session.scalar(
+                sa.select(CompileReport).where(
+                    CompileReport.candidate_id == candidate_id, CompileReport.arch == arch
+                )
+            )
+            if report is None:
+                session.add(CompileReport(candidate_id=candidate_id, arch=arch, **fields))
+            else:
+                for name, value in fields.items():
+                    setattr(report, name, value)
+
+    def candidate(self, identity: str) -> CandidateRecord | None:
+        """The candidate with this identity, with its compile reports, or ``None``."""
+        with self._session() as session:
+            row = session.scalar(
+                sa.select(Candidate)
+                .where(Candidate.identity == identity)
+                .options(selectinload(Candidate.compile_reports))
+            )
+            return None if row is None else _candidate_record(row)
+
+    def candidates(
+        self, *, family: str | None = None, limit: int | None = None
+    ) -> list[CandidateRecord]:
+        """Candidates in the order they were added, optionally of one family only."""
+        query = sa.select(Candidate).options(selectinload(Candidate.compile_reports))
+        if family is not None:
+            query = query.where(Candidate.family == family)
+        with self._session() as session:
+            rows = session.scalars(query.order_by(Candidate.id).limit(limit))
+            return [_candidate_record(row) for row in rows]
+
+    # Measurements
+
+    def add_measurement(
+        self,
+        run_id: int,
+        identity: str,
+        *,
+        ok: bool,
+        reason: str | None = None,
+        median_us: float | None = None,
+        spread_us: float | None = None,
+        max_err: float | None = None,
+        tolerance: float | None = None,
+        tflops: float | None = None,
+        extra: Any | None = None,
+    ) -> int:
+        """Record one measurement (or failure, with its ``reason``); returns its id."""
+        with self._session() as session:
+            if session.get(Run, run_id) is None:
+                raise KeyError(f"no run {run_id}")
+            row = Measurement(
+                run_id=run_id,
+                candidate_id=self._require_candidate_id(session, identity),
+                ok=ok,
+                reason=reason,
+                median_us=median_us,
+                spread_us=spread_us,
+                max_err=max_err,
+                tolerance=tolerance,
+                tflops=tflops,
+                extra=extra,
+            )
+            session.add(row)
+            session.flush()
+            return row.id
+
+    def measurements(
+        self, *, run_id: int | None = None, identity: str | None = None
+    ) -> list[MeasurementRecord]:
+        """Measurements in the order they were taken, filtered by run and/or candidate."""
+        query = (
+            sa.select(Measurement)
+            .join(Measurement.candidate)
+            .options(contains_eager(Measurement.candidate))
+        )
+        if run_id is not None:
+            query = query.where(Measurement.run_id == run_id)
+        if identity is not None:
+            query = query.where(Candidate.identity == identity)
+        with self._session() as session:
+            rows = session.scalars(query.order_by(Measurement.id))
+            return [_measurement_record(row) for row in rows]
+
+    def measured_identities(self, *, arch: str, workload_key: str) -> set[str]:
+        """Identities with any measurement, failed ones included, in runs on this target.
+
+        A failure is a result too, so the search need not try those candidates again.
+        """
+        query = (
+            sa.select(Candidate.identity)
+            .join(Measurement, Measurement.candidate_id == Candidate.id)
+            .join(Run, Measurement.run_id == Run.id)
+            .where(Run.arch == arch, Run.workload_key == workload_key)
+            .distinct()
+        )
+        with self._session() as session:
+            return set(session.scalars(query))
+
+    # Elites
+
+    def set_elites(
+        self,
+        *,
+        arch: str,
+        workload_key: str,
+        entries: list[tuple[str, float]],
+        run_id: int | None = None,
+    ) -> None:
+        """Replace the elites of (arch, workload_key) with ``entries`` ranked 1, 2, ... in order.
+
+        ``entries`` holds ``(identity, median_us)``; an empty list clears the elites.
+        """
+        identities = [identity for identity, _ in entries]
+        if len(set(identities)) != len(identities):
+            raise ValueError(f"elites of {arch}/{workload_key} name a candidate twice")
+        now = utcnow()
+        with self._session() as session:
+            if run_id is not None and session.get(Run, run_id) is None:
+                raise KeyError(f"no run {run_id}")
+            rows = [
+                Elite(
+                    arch=arch,
+                    workload_key=workload_key,
+                    rank=rank,
+                    candidate_id=self._require_candidate_id(session, identity),
+                    median_us=median_us,
+                    run_id=run_id,
+                    updated_at=now,
+                )
+                for rank, (identity, median_us) in enumerate(entries, start=1)
+            ]
+            session.execute(
+                sa.delete(Elite).where(Elite.arch == arch, Elite.workload_key == workload_key)
+            )
+            session.add_all(rows)
+
+    def elites(
+        self, *, arch: str | None = None, workload_key: str | None = None
+    ) -> list[EliteRecord]:
+        """Elites ordered by arch, workload and rank, optionally of one arch and/or workload."""
+        query = sa.select(Elite).options(selectinload(Elite.candidate))
+        if arch is not None:
+            query = query.where(Elite.arch == arch)
+        if workload_key is not None:
+            query = query.where(Elite.workload_key == workload_key)
+        query = query.order_by(Elite.arch, Elite.workload_key, Elite.rank)
+        with self._session() as session:
+            return [_elite_record(row) for row in session.scalars(query)]
+
+    # Helpers, called inside an open session
+
+    @staticmethod
+    def _candidate_id(session: Session, identity: str) -> int | None:
+        return session.scalar(sa.select(Candidate.id).where(Candidate.identity == identity))
+
+    @staticmethod
+    def _require_candidate_id(session: Session, identity: str) -> int:
+        candidate_id = Store._candidate_id(session, identity)
+        if candidate_id is None:
+            raise KeyError(f"no candidate {identity!r}")
+        return candidate_id

@@ -1,0 +1,151 @@
+"""The one correctness criterion, used by the search, the tests and exported modules.
+
+A kernel passes when, on fresh random inputs with its output poisoned first, every output
+element is finite and its max abs error against a float64 reference is at most
+``2 x (the error of torch SDPA in the same dtype on the same inputs) + 1e-5``, and its
+log-sum-exp (where asked) is within ``LSE_RTOL``. Rows that see no key (causal with more
+queries than keys) must be exactly zero, with log-sum-exp -inf, as FlashAttention defines.
+Causal masking is aligned bottom-right: query i sees keys 0 .. i + (seq_k - seq_q).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+ERR_FACTOR = 2.0
+ERR_FLOOR = 1e-5
+LSE_ATOL = 1e-3
+LSE_RTOL = 1e-4
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    max_err: float
+    tolerance: float
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def causal_mask(seq_q: int, seq_k: int, device: torch.device | str) -> torch.Tensor:
+    """True where query i may attend key j (bottom-right aligned)."""
+    import torch
+
+    rows = torch.arange(seq_q, device=device)[:, None]
+    cols = torch.arange(seq_k, device=device)[None, :]
+    return cols <= rows + (seq_k - seq_q)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention and log-sum-exp in float64 on the inputs' device."""
+    import torch
+
+    group = q.shape[1] // k.shape[1]
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    k64 = k64.repeat_interleave(group, dim=1)
+    v64 = v64.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.matmul(q64, k64.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    seen = torch.isfinite(m)
+    p = torch.exp(s - torch.where(seen, m, torch.zeros_like(m)))
+    denom = p.sum(dim=-1, keepdim=True)
+    out = torch.where(seen, torch.matmul(p, v64) / torch.where(seen, denom, 1.0), 0.0)
+    lse = torch.where(seen, m + torch.log(denom), float("-inf")).squeeze(-1)
+    return out, lse
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+         scale: float | None = None) -> torch.Tensor:
+    """torch SDPA in the inputs' dtype, with the same bottom-right causal alignment."""
+    import torch
+    import torch.nn.functional as F
+
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    if not causal:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    if q.shape[2] == k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    mask = causal_mask(q.shape[2], k.shape[2], q.device)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return torch.nan_to_num(out, nan=0.0)  # rows with no key: defined as zero
+
+
+def judge(out: torch.Tensor, ref: torch.Tensor, baseline: torch.Tensor,
+          lse: torch.Tensor | None = None, ref_lse: torch.Tensor | None = None) -> Verdict:
+    """Apply the criterion to an output already computed."""
+    import torch
+
+    if out.shape != ref.shape:
+        return Verdict(False, math.inf, 0.0, f"shape {tuple(out.shape)} != {tuple(ref.shape)}")
+    baseline_err = (baseline.double() - ref).abs().max().item()
+    tol = ERR_FACTOR * baseline_err + ERR_FLOOR
+    finite = torch.isfinite(out)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        return Verdict(False, math.inf, tol, f"{bad} non-finite outputs (NaN/Inf or unwritten)")
+    err = (out.double() - ref).abs().max().item()
+    if not err <= tol:
+        return Verdict(False, err, tol, f"wrong answer: max err {err:.3g} > tol {tol:.3g}")
+    if lse is not None and ref_lse is not None:
+        both_inf = torch.isneginf(lse) & torch.isneginf(ref_lse)
+        if bool(torch.isnan(lse).any()):
+            return Verdict(False, err, tol, "log-sum-exp has NaN (unwritten or wrong)")
+        gap = torch.where(both_inf, 0.0, (lse.double() - ref_lse).abs())
+        lse_tol = LSE_ATOL + LSE_RTOL * torch.where(both_inf, 0.0, ref_lse.abs())
+        if not bool((gap <= lse_tol).all()):
+            worst = float(torch.nan_to_num(gap - lse_tol, nan=math.inf).max())
+            return Verdict(False, err, tol, f"log-sum-exp off by {worst:.3g} beyond its tolerance")
+    return Verdict(True, err, tol)
+
+
+AttentionFn = Callable[..., "torch.Tensor"]
+
+
+def check(fn: AttentionFn, *, batch: int, heads: int, kv_heads: int, seq_q: int, seq_k: int,
+          head_dim: int, causal: bool, dtype: torch.dtype, scale: float | None = None,
+          with_lse: bool = True, layout: str = "bhsd", seed: int | None = None,
+          device: str = "cuda") -> Verdict:
+    """Run ``fn(q, k, v, scale=, out=, lse=)`` once on fresh random inputs and judge it.
+
+    ``layout="bshd"`` passes q, k, v as transposed views of [B, S, H, D] storage, so the
+    kernel sees non-contiguous strides. The output and log-sum-exp are poisoned with NaN.
+    """
+    import torch
+
+    gen = torch.Generator(device=device)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    gen.manual_seed(seed)
+
+    def make(h: int, s: int) -> torch.Tensor:
+        shape = (batch, s, h, head_dim) if layout == "bshd" else (batch, h, s, head_dim)
+        x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        return x.transpose(1, 2) if layout == "bshd" else x
+
+    q, k, v = make(heads, seq_q), make(kv_heads, seq_k), make(kv_heads, seq_k)
+    out = torch.full((batch, heads, seq_q, head_dim), float("nan"), device=device, dtype=dtype)
+    lse = None
+    if with_lse:
+        lse = torch.full((batch, heads, seq_q), float("nan"), device=device, dtype=torch.float32)
+    fn(q, k, v, scale=scale, out=out, lse=lse)
+    torch.cuda.synchronize()
+    ref, ref_lse = reference(q, k, v, causal=causal, scale=scale)
+    verdict = judge(out, ref, sdpa(q, k, v, causal=causal, scale=scale), lse, ref_lse)
+    if not verdict.ok:
+        return Verdict(False, verdict.max_err, verdict.tolerance, f"{verdict.reason} (seed {seed})")
+    return verdict

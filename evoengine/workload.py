@@ -1,0 +1,69 @@
+"""The attention problem a kernel is searched for."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+DTYPES = ("fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Q is [batch, heads, seq_q, head_dim]; K and V are [batch, kv_heads, seq_k, head_dim]."""
+
+    batch: int
+    heads: int
+    seq_q: int
+    head_dim: int
+    kv_heads: int | None = None
+    seq_k: int | None = None
+    causal: bool = False
+    dtype: str = "fp16"
+
+    def __post_init__(self) -> None:
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.seq_k is None:
+            object.__setattr__(self, "seq_k", self.seq_q)
+        for name in ("batch", "heads", "seq_q", "head_dim", "kv_heads", "seq_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"query heads ({self.heads}) must be a multiple of kv heads ({self.kv_heads})"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @classmethod
+    def parse(cls, shape: str, **kw: object) -> Workload:
+        """Build from ``"B,H,S,D"`` as typed on the command line."""
+        try:
+            b, h, s, d = (int(x) for x in shape.split(","))
+        except ValueError:
+            raise ValueError(f"shape must be B,H,S,D (four integers), got {shape!r}") from None
+        return cls(batch=b, heads=h, seq_q=s, head_dim=d, **kw)  # type: ignore[arg-type]
+
+    def problem(self) -> dict[str, object]:
+        """The dimensions compiled into a kernel: results across them are incomparable."""
+        return {"HEAD_DIM": self.head_dim, "DTYPE": self.dtype, "CAUSAL": self.causal}
+
+    def key(self) -> str:
+        """A readable identity of the workload, for elites and reports."""
+        return (
+            f"b{self.batch}-h{self.heads}-kv{self.kv_heads}-sq{self.seq_q}-sk{self.seq_k}"
+            f"-d{self.head_dim}-{'causal' if self.causal else 'full'}-{self.dtype}"
+        )
+
+    def flops(self) -> float:
+        """Matrix FLOPs of the forward pass (two GEMMs), halved by causal masking."""
+        pairs = self.seq_q * self.seq_k
+        if self.causal:
+            # Bottom-right aligned: query i sees keys 0..i+(seq_k-seq_q).
+            off = self.seq_k - self.seq_q
+            pairs = sum(max(0, min(self.seq_k, i + off + 1)) for i in range(self.seq_q))
+        return 4.0 * self.batch * self.heads * pairs * self.head_dim
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)

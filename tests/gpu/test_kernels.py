@@ -1,0 +1,151 @@
+"""Every family against the float64 reference over the whole coverage, on a real GPU.
+
+Fresh random inputs per check, NaN-poisoned outputs, lengths that are no multiple of any
+tile, Sq != Sk both ways (causal aligned bottom-right), GQA and MQA, strided views, the
+softmax scale and the log-sum-exp output.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from evoengine.arch import get_arch
+from evoengine.compile import compile_many
+from evoengine.render import Candidate, make_candidate
+from evoengine.runtime import Kernel, gpu_arch
+from evoengine.space import SearchSpace
+from evoengine import paths, validate
+
+# Hand-picked points spanning each family's parameters (stages, swizzle, Q placement,
+# one or two m16 tiles per warp).
+CONFIGS = {
+    "mma": [
+        dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True),
+        dict(BLOCK_M=128, BLOCK_N=32, NUM_WARPS=4, STAGES=3, SWIZZLE="pad", Q_IN_REGS=False),
+        dict(BLOCK_M=128, BLOCK_N=64, NUM_WARPS=8, STAGES=1, SWIZZLE="none", Q_IN_REGS=False),
+    ],
+    "wmma": [
+        dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="pad", Q_IN_REGS=False),
+        dict(BLOCK_M=32, BLOCK_N=32, NUM_WARPS=2, STAGES=3, SWIZZLE="none", Q_IN_REGS=True),
+    ],
+}
+
+# (batch, heads, kv_heads, seq_q, seq_k, layout)
+SHAPES = [
+    (2, 4, 4, 257, 257, "bhsd"),   # tails in every tile size
+    (1, 3, 3, 7, 7, "bhsd"),       # shorter than one tile
+    (2, 8, 2, 200, 333, "bshd"),   # GQA, Sq < Sk, strided views of [B, S, H, D]
+    (1, 6, 1, 300, 129, "bhsd"),   # MQA, Sq > Sk: causal rows with no key
+    (1, 2, 2, 1, 515, "bhsd"),     # one query (decode-like)
+    (1, 2, 1, 1500, 1499, "bhsd"), # many key blocks: the K/V ring wraps
+]
+PROBLEMS = [
+    dict(HEAD_DIM=d, DTYPE=t, CAUSAL=c) for d in (64, 128) for t in ("fp16", "bf16")
+    for c in (False, True)
+]
+TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+_kernels: dict[str, Kernel] = {}
+
+
+def space(family: str) -> SearchSpace:
+    return SearchSpace.load(paths.SPACES / f"{family}.toml")
+
+
+def build(cands: list[Candidate]) -> list[Kernel]:
+    """Compile what is missing in parallel, then load; cached across tests."""
+    arch = gpu_arch()
+    todo = [c for c in cands if c.identity not in _kernels]
+    for c, result in zip(todo, compile_many(todo, arch), strict=True):
+        assert result.ok, f"{c.identity}: {result.error}"
+        _kernels[c.identity] = Kernel(c, result)
+    return [_kernels[c.identity] for c in cands]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prebuild() -> None:
+    arch = gpu_arch()
+    build([make_candidate(space(f), cfg, pr, arch) for f, cfgs in CONFIGS.items()
+           for cfg in cfgs for pr in PROBLEMS])
+
+
+def run_check(kernel: Kernel, shape: tuple, scale: float | None = None) -> validate.Verdict:
+    b, h, hkv, sq, sk, layout = shape
+    return validate.check(
+        kernel, batch=b, heads=h, kv_heads=hkv, seq_q=sq, seq_k=sk,
+        head_dim=kernel.head_dim, causal=kernel.causal, dtype=TORCH_DTYPE[kernel.dtype],
+        scale=scale, layout=layout,
+    )
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: "d{HEAD_DIM}-{DTYPE}-{CAUSAL}".format(**p))
+@pytest.mark.parametrize("family,idx", [(f, i) for f, cfgs in CONFIGS.items() for i in range(len(cfgs))])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_reference(family: str, idx: int, problem: dict, shape: tuple) -> None:
+    (kernel,) = build([make_candidate(space(family), CONFIGS[family][idx], problem, gpu_arch())])
+    verdict = run_check(kernel, shape)
+    assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_softmax_scale(family: str) -> None:
+    (kernel,) = build([make_candidate(space(family), CONFIGS[family][0], PROBLEMS[1], gpu_arch())])
+    for scale in (0.02, 0.5):
+        verdict = run_check(kernel, (1, 4, 2, 190, 250, "bhsd"), scale=scale)
+        assert verdict.ok, verdict.reason
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_other_head_dims(family: str, head_dim: int) -> None:
+    arch = gpu_arch()
+    sp = space(family)
+    for causal in (False, True):
+        problem = dict(HEAD_DIM=head_dim, DTYPE="bf16", CAUSAL=causal)
+        admitted = sp.admitted(problem, arch)
+        assert admitted, f"no {family} config admitted for head_dim {head_dim}"
+        cfg = random.Random(head_dim).choice(admitted)
+        (kernel,) = build([make_candidate(sp, cfg, problem, arch)])
+        verdict = run_check(kernel, (2, 4, 2, 131, 77, "bhsd"))
+        assert verdict.ok, f"{kernel.candidate.identity}: {verdict.reason}"
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_random_admitted_points(family: str) -> None:
+    """A spread of the whole space: any admitted point must be correct, not just ours."""
+    arch = gpu_arch()
+    sp = space(family)
+    rng = random.Random(2026)
+    cands = []
+    for problem in PROBLEMS:
+        cands += [make_candidate(sp, cfg, problem, arch)
+                  for cfg in rng.sample(sp.admitted(problem, arch), 3)]
+    failures = []
+    for kernel in build(cands):
+        for shape in ((1, 2, 1, 333, 333, "bhsd"), (2, 2, 2, 97, 160, "bshd")):
+            verdict = run_check(kernel, shape)
+            if not verdict.ok:
+                failures.append(f"{kernel.candidate.identity} {shape}: {verdict.reason}")
+    assert not failures, "\n".join(failures)
+
+
+def test_poisoned_output_catches_unwritten_rows() -> None:
+    """The criterion itself: a kernel that skips the last row must fail."""
+    (kernel,) = build([make_candidate(space("mma"), CONFIGS["mma"][0], PROBLEMS[0], gpu_arch())])
+
+    def lazy(q, k, v, *, scale=None, out=None, lse=None):
+        full = kernel(q, k, v, scale=scale, lse=lse)
+        out[:, :, :-1].copy_(full[:, :, :-1])
+        return out
+
+    verdict = validate.check(lazy, batch=1, heads=2, kv_heads=2, seq_q=100, seq_k=100,
+                             head_dim=64, causal=False, dtype=torch.float16)
+    assert not verdict.ok and "non-finite" in verdict.reason
+
+
+def test_arch_is_hopper_or_ampere() -> None:
+    assert gpu_arch() in (get_arch("sm_80"), get_arch("sm_86"), get_arch("sm_89"),
+                          get_arch("sm_90a"))
