@@ -1,16 +1,14 @@
 """Load a compiled candidate on the GPU and call it on torch tensors.
 
 Kernels are cubins built by :mod:`evoengine.compile` (NVRTC) and loaded through CuPy's
-``RawModule``; they launch on torch's current stream, so they order correctly with the
+module API; they launch on torch's current stream, so they order correctly with the
 surrounding torch work.
 """
 
 from __future__ import annotations
 
 import math
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -107,13 +105,16 @@ class Kernel:
             raise ValueError(f"{candidate.identity} did not compile: {compiled.error}")
         self.candidate = candidate
         self.compiled = compiled
-        # RawModule loads cubins from a path; the file is only needed while loading.
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "kernel.cubin"
-            path.write_bytes(compiled.cubin)
-            self._module = cupy.RawModule(path=str(path))
-        self._fn = self._module.get_function(KERNEL_NAME)
-        self._fn.max_dynamic_shared_size_bytes = candidate.smem_bytes
+        import torch
+
+        # The cubin is loaded from memory into the current device's (primary) context.
+        with cupy.cuda.Device(torch.cuda.current_device()):
+            self._module = cupy.cuda.function.Module()
+            self._module.load(compiled.cubin)
+            self._fn = self._module.get_function(KERNEL_NAME)
+            cupy.cuda.driver.funcSetAttribute(
+                self._fn.ptr, cupy.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                candidate.smem_bytes)
         self.head_dim = int(candidate.problem["HEAD_DIM"])  # type: ignore[call-overload]
         self.dtype = str(candidate.problem["DTYPE"])
         self.causal = bool(candidate.problem["CAUSAL"])
