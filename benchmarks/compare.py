@@ -46,7 +46,8 @@ def parse_workload(text: str, dtype: str) -> Workload:
 def inputs(w: Workload, n_sets: int) -> list[tuple[torch.Tensor, ...]]:
     sets = []
     for _ in range(n_sets):
-        q = torch.randn(w.batch, w.heads, w.seq_q, w.head_dim, device="cuda").to(TORCH_DTYPE[w.dtype])
+        shape = (w.batch, w.heads, w.seq_q, w.head_dim)
+        q = torch.randn(shape, device="cuda").to(TORCH_DTYPE[w.dtype])
         k = torch.randn(w.batch, w.kv_heads, w.seq_k, w.head_dim, device="cuda").to(q.dtype)
         v = torch.randn_like(k)
         sets.append((q, k, v, torch.empty_like(q)))
@@ -77,7 +78,8 @@ def time_kernel(kernel: Kernel, w: Workload, sets: list) -> measure.Timing:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", default="mma")
     ap.add_argument("--workloads", nargs="*", default=DEFAULT_WORKLOADS)
     ap.add_argument("--dtype", default="fp16", choices=sorted(TORCH_DTYPE))
@@ -99,7 +101,7 @@ def main() -> None:
         admitted = space.admitted(problem, arch)
         points += rng.sample(admitted, min(args.sweep, len(admitted)))
         cands = [make_candidate(space, p, problem, arch) for p in points]
-        per_set = 2 * (w.batch * w.heads * w.seq_q + 2 * w.batch * w.kv_heads * w.seq_k) * w.head_dim
+        per_set = 2 * w.batch * w.head_dim * (w.heads * w.seq_q + 2 * w.kv_heads * w.seq_k)
         sets = inputs(w, measure.copies_needed(per_set))
         flash = time_sdpa(w, sets, SDPBackend.FLASH_ATTENTION)
         cudnn = time_sdpa(w, sets, SDPBackend.CUDNN_ATTENTION)

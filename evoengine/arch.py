@@ -14,7 +14,6 @@ class Arch:
     smem_per_block: int  # bytes of dynamic shared memory one block may opt into
     max_threads: int
     regs_per_sm: int
-    families: tuple[str, ...]
 
     def as_names(self) -> dict[str, int]:
         """The names a search-space constraint may use for this target."""
@@ -31,10 +30,10 @@ class Arch:
 ARCHS: dict[str, Arch] = {
     a.name: a
     for a in (
-        Arch("sm_80", 80, 163 * 1024, 1024, 65536, ("mma", "wmma")),
-        Arch("sm_86", 86, 99 * 1024, 1024, 65536, ("mma", "wmma")),
-        Arch("sm_89", 89, 99 * 1024, 1024, 65536, ("mma", "wmma")),
-        Arch("sm_90a", 90, 227 * 1024, 1024, 65536, ("mma", "wmma")),
+        Arch("sm_80", 80, 163 * 1024, 1024, 65536),
+        Arch("sm_86", 86, 99 * 1024, 1024, 65536),
+        Arch("sm_89", 89, 99 * 1024, 1024, 65536),
+        Arch("sm_90a", 90, 227 * 1024, 1024, 65536),
     )
 }
 

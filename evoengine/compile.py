@@ -69,7 +69,8 @@ def cuda_include_dirs() -> list[str]:
 
 
 def nvrtc_options(arch: Arch, defines: dict[str, int]) -> list[str]:
-    opts = [f"--gpu-architecture={arch.name}", "-std=c++17", "-Xptxas=-v", "--extra-device-vectorization"]
+    opts = [f"--gpu-architecture={arch.name}", "-std=c++17", "-Xptxas=-v",
+            "--extra-device-vectorization"]
     opts += [f"-D{k}={v}" for k, v in defines.items()]
     opts += [f"-I{d}" for d in cuda_include_dirs()]
     return opts

@@ -90,7 +90,7 @@ class Expr:
             return any(self._eval(v, env) for v in node.values)
         if isinstance(node, ast.Compare):
             left = self._eval(node.left, env)
-            for op, right_node in zip(node.ops, node.comparators):
+            for op, right_node in zip(node.ops, node.comparators, strict=True):
                 right = self._eval(right_node, env)
                 if not _CMPOPS[type(op)](left, right):
                     return False

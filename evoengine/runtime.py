@@ -66,7 +66,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         if not t.is_cuda:
             raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got {tuple(t.shape)}")
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], "
+                             f"got {tuple(t.shape)}")
         if t.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
         if t.numel() == 0:
@@ -87,7 +88,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     kb, hkv, sk, kd = k.shape
     if kb != b or kd != d:
-        raise ValueError(f"k, v must be [{b}, kv_heads, seq_k, {d}] to match q, got {tuple(k.shape)}")
+        raise ValueError(f"k, v must be [{b}, kv_heads, seq_k, {d}] to match q, "
+                         f"got {tuple(k.shape)}")
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
     if head_dim is not None and d != head_dim:

@@ -160,12 +160,12 @@ class SearchSpace:
     def problems(self) -> Iterator[dict[str, object]]:
         """Every combination of the default problem dimensions."""
         for values in itertools.product(*self.problem.values()):
-            yield dict(zip(self.problem, values))
+            yield dict(zip(self.problem, values, strict=True))
 
     def grid(self) -> Iterator[dict[str, object]]:
         """Every parameter combination, admitted or not, in declared order."""
         for values in itertools.product(*self.parameters.values()):
-            yield dict(zip(self.parameters, values))
+            yield dict(zip(self.parameters, values, strict=True))
 
     def admitted(self, problem: Mapping[str, object], arch: Arch) -> list[dict[str, object]]:
         return [p for p in self.grid() if not self.violations(p, problem, arch)]
@@ -187,3 +187,19 @@ def sample(items: list, n: int | None, seed: int = 0) -> list:
     if n is None or n >= len(items):
         return list(items)
     return random.Random(seed).sample(items, n)
+
+
+def spread(spaces: list[SearchSpace], arch: Arch, limit: int | None,
+           seed: int = 0) -> list[tuple[SearchSpace, dict[str, object], dict[str, object]]]:
+    """Admitted (space, problem, params) points for ``arch``, spread evenly over families and
+    problems: each (space, problem) group is shuffled with ``seed`` and the groups are dealt
+    round-robin, so the first ``limit`` points cover them all."""
+    groups = []
+    for i, space in enumerate(s for s in spaces if s.supports(arch)):
+        for j, problem in enumerate(space.problems()):
+            points = space.admitted(problem, arch)
+            random.Random(f"{seed}-{i}-{j}").shuffle(points)
+            groups.append(((j, i), [(space, problem, p) for p in points]))
+    groups = [g for _, g in sorted(groups, key=lambda kg: kg[0])]  # alternate families first
+    dealt = [g[k] for k in range(max(map(len, groups), default=0)) for g in groups if k < len(g)]
+    return dealt if limit is None else dealt[:limit]

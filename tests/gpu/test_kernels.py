@@ -12,12 +12,12 @@ import random
 import pytest
 import torch
 
+from evoengine import paths, validate
 from evoengine.arch import get_arch
 from evoengine.compile import compile_many
 from evoengine.render import Candidate, make_candidate
 from evoengine.runtime import Kernel, gpu_arch
 from evoengine.space import SearchSpace
-from evoengine import paths, validate
 
 # Hand-picked points spanning each family's parameters (stages, swizzle, Q placement,
 # one or two m16 tiles per warp).
@@ -81,8 +81,11 @@ def run_check(kernel: Kernel, shape: tuple, scale: float | None = None) -> valid
     )
 
 
+POINTS = [(f, i) for f, cfgs in CONFIGS.items() for i in range(len(cfgs))]
+
+
 @pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: "d{HEAD_DIM}-{DTYPE}-{CAUSAL}".format(**p))
-@pytest.mark.parametrize("family,idx", [(f, i) for f, cfgs in CONFIGS.items() for i in range(len(cfgs))])
+@pytest.mark.parametrize("family,idx", POINTS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_reference(family: str, idx: int, problem: dict, shape: tuple) -> None:
     (kernel,) = build([make_candidate(space(family), CONFIGS[family][idx], problem, gpu_arch())])

@@ -1,0 +1,5 @@
+"""``python -m evoengine`` is the ``evoengine`` command."""
+
+from evoengine.cli import main
+
+raise SystemExit(main())

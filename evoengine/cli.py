@@ -1,0 +1,252 @@
+"""The ``evoengine`` command: a thin layer over the Python API.
+
+Every subcommand turns a user mistake (bad arch, bad shape, missing file, no GPU) into one
+line on stderr and exit status 2; tracebacks are for bugs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from evoengine import __version__
+from evoengine.arch import ARCHS, get_arch
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for; printed as one line, exit status 2."""
+
+
+def _gpu_or_fail(command: str) -> None:
+    from evoengine.runtime import NoGPUError, gpu_arch
+
+    try:
+        gpu_arch()
+    except NoGPUError as e:
+        raise UsageError(f"{command} needs a CUDA GPU: {e}") from None
+
+
+def _spaces(paths: Sequence[str] | None) -> list:
+    from evoengine.space import SearchSpace, default_spaces
+
+    return [SearchSpace.load(p) for p in paths] if paths else default_spaces()
+
+
+# ---- compile-check ------------------------------------------------------------------------
+
+def cmd_compile_check(args: argparse.Namespace) -> int:
+    from evoengine.compile import compile_many, nvrtc_version
+    from evoengine.render import make_candidate
+    from evoengine.space import spread
+
+    arch = get_arch(args.arch)
+    spaces = _spaces(args.space)
+    if not any(s.supports(arch) for s in spaces):
+        raise UsageError(f"no search space targets {arch.name}")
+    points = spread(spaces, arch, args.limit, args.seed)
+    cands = [make_candidate(space, params, problem, arch) for space, problem, params in points]
+    if not args.json:
+        print(f"compiling {len(cands)} candidates for {arch.name} with {nvrtc_version()}",
+              file=sys.stderr)
+    start = time.perf_counter()
+    reports = []
+    for i, (cand, result) in enumerate(zip(cands, compile_many(cands, arch, args.workers),
+                                           strict=True)):
+        report = {"identity": cand.identity, "family": cand.family, "problem": cand.problem,
+                  "params": cand.params, **result.report()}
+        report.pop("identity", None)
+        report = {"identity": cand.identity, **report}
+        reports.append(report)
+        if not args.json:
+            status = (f"regs {result.registers:3d}  spill {result.spill_bytes:4d}  "
+                      f"smem {result.smem_bytes:6d}" if result.ok else f"ERROR {result.error}")
+            print(f"[{i + 1:3d}/{len(cands)}] {result.seconds:5.2f}s  {status}  {cand.identity}")
+    ok = sum(r["ok"] for r in reports)
+    summary = {"arch": arch.name, "compiler": nvrtc_version(), "candidates": len(reports),
+               "compiled": ok, "failed": len(reports) - ok,
+               "seconds": round(time.perf_counter() - start, 2)}
+    if args.json:
+        json.dump({"summary": summary, "candidates": reports}, sys.stdout, indent=1)
+        print()
+    else:
+        print(f"{ok}/{len(reports)} compiled for {arch.name} in {summary['seconds']} s")
+    return 0
+
+
+# ---- store views --------------------------------------------------------------------------
+
+def _open_store(url: str | None):  # type: ignore[no-untyped-def]
+    from evoengine.store import Store
+
+    if url is None and not Path("runs/evoengine.db").exists():
+        raise UsageError("no store at runs/evoengine.db; run `evoengine search` first "
+                         "or pass --store")
+    return Store(url)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    with _open_store(args.store) as store:
+        if args.what == "runs":
+            rows = [{"id": r.id, "created": r.created_at.isoformat(timespec="seconds"),
+                     "status": r.status, "arch": r.arch, "study": r.study,
+                     "workload": r.workload_key} for r in store.runs(limit=args.limit)]
+        elif args.what == "candidates":
+            rows = [{"identity": c.identity, "family": c.family,
+                     "compiled": {a: r.ok for a, r in c.compile_reports.items()}}
+                    for c in store.candidates(family=args.family, limit=args.limit)]
+        else:
+            rows = [{"arch": e.arch, "workload": e.workload_key, "rank": e.rank,
+                     "median_us": e.median_us, "identity": e.identity}
+                    for e in store.elites(arch=args.arch)][: args.limit]
+    if args.json:
+        json.dump(rows, sys.stdout, indent=1, default=str)
+        print()
+    elif not rows:
+        print(f"no {args.what} in the store")
+    else:
+        for row in rows:
+            print("  ".join(f"{k}={v}" for k, v in row.items()))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _open_store(args.store) as store:
+        cand = store.candidate(args.identity)
+        if cand is None:
+            raise UsageError(f"no candidate {args.identity!r} in {store.url}")
+        measurements = store.measurements(identity=args.identity)
+    if args.source:
+        print(cand.source)
+        return 0
+    print(f"identity  {cand.identity}\nfamily    {cand.family}\ntemplate  {cand.template_hash}")
+    print(f"problem   {json.dumps(cand.problem)}\nparams    {json.dumps(cand.params)}")
+    for arch, r in cand.compile_reports.items():
+        print(f"compile   {arch}: " + (f"regs {r.registers}, spill {r.spill_bytes}, smem "
+                                       f"{r.smem_bytes}, {r.compile_seconds:.2f}s" if r.ok
+                                       else f"error {r.error}"))
+    for m in measurements:
+        print(f"run {m.run_id}   " + (f"{m.median_us:.1f} us +- {m.spread_us:.1f}" if m.ok
+                                      else f"failed: {m.reason}"))
+    return 0
+
+
+# ---- GPU commands -------------------------------------------------------------------------
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from evoengine.workload import Workload
+
+    Workload.parse(args.shape, kv_heads=args.kv_heads, seq_k=args.seq_k, causal=args.causal,
+                   dtype=args.dtype)  # reject a bad workload before looking for a GPU
+    _gpu_or_fail("search")
+    raise UsageError("search on the GPU is not built yet (open issue #3); the pipeline's "
+                     "stages are usable from Python, see README.md")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    _gpu_or_fail("export")
+    raise UsageError("export is not built yet (open issue #4)")
+
+
+# ---- parser -------------------------------------------------------------------------------
+
+def _duration(text: str) -> float:
+    """Seconds from '90', '90s', '10m' or '2h'."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        if text and text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 90s, 10m, 2h)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="evoengine",
+        description="Search for the fastest correct attention kernel for a GPU and workload.",
+    )
+    p.add_argument("--version", action="version", version=f"evoengine {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    archs = ", ".join(ARCHS)
+
+    c = sub.add_parser("compile-check", help="compile a sample of the spaces offline (no GPU)",
+                       description="Render candidates the constraints admit and compile each "
+                       "with NVRTC for the target, without a GPU. Reports registers, spills, "
+                       "shared memory and compile time, or the compiler's error. Exits 0 "
+                       "whatever the candidates did.")
+    c.add_argument("--arch", required=True, help=f"target ({archs})")
+    c.add_argument("--space", action="append", metavar="FILE",
+                   help="search-space file (repeatable; default: all of search_spaces/)")
+    c.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="compile N candidates spread over families and problems (default all)")
+    c.add_argument("--seed", type=int, default=0, help="which spread of candidates (default 0)")
+    c.add_argument("--workers", type=int, default=None, help="compiler processes (default: cores)")
+    c.add_argument("--json", action="store_true", help="print one JSON document")
+    c.set_defaults(func=cmd_compile_check)
+
+    s = sub.add_parser("search", help="search for the fastest kernel on this GPU",
+                       description="Evolve candidates on the GPU: compile, validate against "
+                       "SDPA's criterion, time, keep the elites in the store. Running the same "
+                       "study again resumes it.")
+    s.add_argument("--arch", help="target (default: the GPU present)")
+    s.add_argument("--shape", required=True, metavar="B,H,S,D",
+                   help="batch, query heads, query length, head dim")
+    s.add_argument("--kv-heads", type=int, help="key/value heads (default: H)")
+    s.add_argument("--seq-k", type=int, help="key length (default: S)")
+    s.add_argument("--causal", action="store_true", help="causal mask, aligned bottom-right")
+    s.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    budget = s.add_mutually_exclusive_group()
+    budget.add_argument("--trials", type=int, help="number of trials")
+    budget.add_argument("--timeout", type=_duration, help="wall-clock budget (90s, 10m, 2h)")
+    s.add_argument("--space", action="append", metavar="FILE", help="search-space file(s)")
+    s.add_argument("--store", metavar="URL", help="SQLAlchemy URL (default sqlite:///runs/evoengine.db)")
+    s.add_argument("--study", help="study name (default: derived from arch and workload)")
+    s.add_argument("--sampler", choices=["nsga2", "tpe", "random"], default="nsga2")
+    s.add_argument("--seed", type=int, default=None)
+    s.set_defaults(func=cmd_search)
+
+    e = sub.add_parser("export", help="write the best kernels as a standalone module",
+                       description="Write one self-contained Python module (cupy + torch only) "
+                       "holding the elites' sources, cubins and a dispatch table.")
+    e.add_argument("which", choices=["best"], help="what to export")
+    e.add_argument("--arch", help="target (default: the GPU present)")
+    e.add_argument("--store", metavar="URL")
+    e.add_argument("--study")
+    e.add_argument("-o", "--output", default="tuned_attention.py")
+    e.set_defaults(func=cmd_export)
+
+    ls = sub.add_parser("list", help="list runs, candidates or elites in the store")
+    ls.add_argument("what", nargs="?", choices=["runs", "candidates", "elites"], default="runs")
+    ls.add_argument("--store", metavar="URL")
+    ls.add_argument("--family")
+    ls.add_argument("--arch")
+    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_list)
+
+    sh = sub.add_parser("show", help="show one candidate: parameters, compile reports, timings")
+    sh.add_argument("identity")
+    sh.add_argument("--store", metavar="URL")
+    sh.add_argument("--source", action="store_true", help="print the rendered CUDA source")
+    sh.set_defaults(func=cmd_show)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except UsageError as e:
+        print(f"evoengine: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, KeyError, FileNotFoundError) as e:  # SpaceError is a ValueError
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"evoengine: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("evoengine: interrupted", file=sys.stderr)
+        return 130
