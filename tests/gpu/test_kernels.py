@@ -84,7 +84,11 @@ def run_check(kernel: Kernel, shape: tuple, scale: float | None = None) -> valid
 POINTS = [(f, i) for f, cfgs in CONFIGS.items() for i in range(len(cfgs))]
 
 
-@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: "d{HEAD_DIM}-{DTYPE}-{CAUSAL}".format(**p))
+def problem_id(p: dict) -> str:
+    return "d{HEAD_DIM}-{DTYPE}-{CAUSAL}".format(**p)
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=problem_id)
 @pytest.mark.parametrize("family,idx", POINTS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_reference(family: str, idx: int, problem: dict, shape: tuple) -> None:
