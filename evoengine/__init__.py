@@ -12,12 +12,12 @@ __version__ = "0.1.0"
 
 from evoengine.arch import ARCHS, Arch, get_arch
 from evoengine.compile import CompileResult, compile_candidate, compile_many
-from evoengine.render import Candidate, make_candidate, render
+from evoengine.render import Candidate, make_candidate
 from evoengine.space import SearchSpace, default_spaces
 from evoengine.workload import Workload
 
 __all__ = [
     "ARCHS", "Arch", "Candidate", "CompileResult", "SearchSpace", "Workload",
     "compile_candidate", "compile_many", "default_spaces", "get_arch", "make_candidate",
-    "render", "__version__",
+    "__version__",
 ]

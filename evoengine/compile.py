@@ -7,6 +7,8 @@ compile error is a result (``ok=False`` with the log), never an exception.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import re
 import sys
@@ -76,6 +78,7 @@ def nvrtc_options(arch: Arch, defines: dict[str, int]) -> list[str]:
     return opts
 
 
+@functools.cache
 def nvrtc_version() -> str:
     from cuda.bindings import nvrtc
 
@@ -135,7 +138,7 @@ def _first_error(log: str) -> str:
 def compile_candidate(candidate: Candidate, arch: Arch | str) -> CompileResult:
     """Render and compile, going through the on-disk cubin cache."""
     arch = get_arch(arch) if isinstance(arch, str) else arch
-    cached = _cache_path(candidate.identity, arch)
+    cached = _cache_path(candidate, arch)
     meta = cached.with_suffix(".json")
     if cached.is_file() and meta.is_file():
         import json
@@ -149,8 +152,13 @@ def compile_candidate(candidate: Candidate, arch: Arch | str) -> CompileResult:
     return result
 
 
-def _cache_path(identity: str, arch: Arch) -> Path:
-    return paths.cache_dir() / "cubin" / arch.name / f"{identity}.cubin"
+def _cache_path(candidate: Candidate, arch: Arch) -> Path:
+    """Keyed by identity and target, and by the compiler and its options: a cubin from another
+    NVRTC or other flags is never served. Include paths are left out of the key (they name
+    where the same headers live on this machine)."""
+    opts = [o for o in nvrtc_options(arch, candidate.defines(arch)) if not o.startswith("-I")]
+    key = hashlib.sha256("\0".join([nvrtc_version(), *opts]).encode()).hexdigest()[:10]
+    return paths.cache_dir() / "cubin" / arch.name / f"{candidate.identity}-{key}.cubin"
 
 
 def _cache_write(path: Path, result: CompileResult) -> None:

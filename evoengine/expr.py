@@ -23,6 +23,7 @@ _CMPOPS = {
     ast.NotIn: lambda a, b: a not in b,
 }
 _FUNCS = {"min": min, "max": max, "abs": abs}
+_MAX_EXPONENT = 64
 
 
 class ExprError(ValueError):
@@ -67,7 +68,12 @@ class Expr:
         raise ExprError(f"{type(node).__name__} not allowed in {self.text!r}")
 
     def __call__(self, env: Mapping[str, object]) -> object:
-        return self._eval(self._tree, env)
+        try:
+            return self._eval(self._tree, env)
+        except (ArithmeticError, TypeError, ValueError) as e:
+            if isinstance(e, ExprError):
+                raise
+            raise ExprError(f"cannot evaluate {self.text!r}: {e}") from None
 
     def _eval(self, node: ast.AST, env: Mapping[str, object]) -> object:
         if isinstance(node, ast.Constant):
@@ -78,16 +84,23 @@ class Expr:
             except KeyError:
                 raise ExprError(f"unknown name {node.id!r} in {self.text!r}") from None
         if isinstance(node, ast.BinOp):
-            return _BINOPS[type(node.op)](self._eval(node.left, env), self._eval(node.right, env))
+            left, right = self._eval(node.left, env), self._eval(node.right, env)
+            if isinstance(node.op, ast.Pow) and abs(right) > _MAX_EXPONENT:  # type: ignore[arg-type]
+                raise ExprError(f"exponent {right} too large in {self.text!r}")
+            return _BINOPS[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp):
             value = self._eval(node.operand, env)
             if isinstance(node.op, ast.Not):
                 return not value
             return -value if isinstance(node.op, ast.USub) else +value  # type: ignore[operator]
-        if isinstance(node, ast.BoolOp):
-            if isinstance(node.op, ast.And):
-                return all(self._eval(v, env) for v in node.values)
-            return any(self._eval(v, env) for v in node.values)
+        if isinstance(node, ast.BoolOp):  # short-circuit, returning an operand as Python does
+            want = isinstance(node.op, ast.Or)
+            value: object = None
+            for v in node.values:
+                value = self._eval(v, env)
+                if bool(value) is want:
+                    return value
+            return value
         if isinstance(node, ast.Compare):
             left = self._eval(node.left, env)
             for op, right_node in zip(node.ops, node.comparators, strict=True):

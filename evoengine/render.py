@@ -84,10 +84,14 @@ def make_candidate(space: SearchSpace, params: Mapping[str, object],
     bad = space.violations(params, problem, arch)
     if bad:
         raise ValueError("rejected by the search space: " + "; ".join(bad))
+    if set(problem) != set(space.problem):
+        raise ValueError(f"problem must name exactly {sorted(space.problem)}, "
+                         f"got {sorted(problem)}")
     ordered = {k: params[k] for k in space.parameters}
+    problem = {k: problem[k] for k in space.problem}
     env = space.env(ordered, problem, arch)
     derived = {k: env[k] for k in space.derived}
-    return Candidate(space.family, dict(problem), ordered, derived)
+    return Candidate(space.family, problem, ordered, derived)
 
 
 @functools.cache

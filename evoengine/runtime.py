@@ -81,6 +81,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if dtype is not None and q.dtype != getattr(torch, _DTYPES[dtype]):
         raise ValueError(f"this kernel takes {dtype}, got {q.dtype}")
     b, h, sq, d = q.shape

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -30,7 +31,13 @@ from evoengine.arch import Arch, get_arch
 from evoengine.expr import Expr, ExprError
 
 _ARCH_NAMES = frozenset(("SM", "SMEM_LIMIT", "MAX_THREADS", "REGS_PER_SM"))
+_FAMILY_NAME = re.compile(r"[a-z][a-z0-9_]*")
 _TOP_KEYS = {"family", "description", "archs", "problem", "parameters", "derived", "constraints"}
+
+
+def _in_domain(value: object, domain: tuple[object, ...]) -> bool:
+    """Membership by type and value: 64.0 is not 64, and True is not 1."""
+    return any(type(value) is type(d) and value == d for d in domain)
 
 
 class SpaceError(ValueError):
@@ -79,14 +86,16 @@ class SearchSpace:
             if key not in data:
                 raise fail(f"missing {key!r}")
         family = data["family"]
-        if not isinstance(family, str) or not (paths.TEMPLATES / family).is_dir():
-            raise fail(f"family {family!r} has no folder under {paths.TEMPLATES}")
-        archs = tuple(data["archs"])  # type: ignore[arg-type]
-        for a in archs:
-            try:
-                get_arch(a)
-            except ValueError as e:
-                raise fail(str(e)) from None
+        if (not isinstance(family, str) or not _FAMILY_NAME.fullmatch(family)
+                or not (paths.TEMPLATES / family / "kernel.cu.j2").is_file()):
+            raise fail(f"family {family!r} has no templates/<family>/kernel.cu.j2 under "
+                       f"{paths.TEMPLATES}")
+        if not isinstance(data["archs"], list) or not data["archs"]:
+            raise fail("archs must be a non-empty list of target names")
+        try:
+            archs = tuple(get_arch(a).name for a in data["archs"])  # canonical names
+        except (ValueError, AttributeError) as e:
+            raise fail(f"archs: {e}") from None
 
         def domains(section: str) -> dict[str, tuple[object, ...]]:
             table = data[section]
@@ -105,13 +114,23 @@ class SearchSpace:
             raise fail(f"names in both [problem] and [parameters]: {sorted(clash)}")
         known = set(problem) | set(parameters) | _ARCH_NAMES
         derived: dict[str, Expr] = {}
-        for name, text in dict(data.get("derived", {})).items():  # type: ignore[call-overload]
+        table = data.get("derived", {})
+        if not isinstance(table, dict):
+            raise fail("[derived] must be a table of name = \"expression\"")
+        for name, text in table.items():
+            if name in known:
+                raise fail(f"derived.{name} shadows a parameter, problem or target name")
             derived[name] = cls._expr(text, known, fail, f"derived.{name}")
             known.add(name)
         constraints = []
-        for i, c in enumerate(data.get("constraints", [])):  # type: ignore[arg-type]
+        entries = data.get("constraints", [])
+        if not isinstance(entries, list):
+            raise fail("constraints must be an array of tables ([[constraints]])")
+        for i, c in enumerate(entries):
             if not isinstance(c, dict) or set(c) != {"rule", "why"}:
                 raise fail(f"constraints[{i}] must have exactly 'rule' and 'why'")
+            if not isinstance(c["why"], str) or not c["why"].strip():
+                raise fail(f"constraints[{i}].why must be a sentence saying why")
             constraints.append(Constraint(cls._expr(c["rule"], known, fail, c["rule"]), c["why"]))
         return cls(family, str(data.get("description", "")), archs, problem, parameters,
                    derived, tuple(constraints), path)
@@ -148,7 +167,10 @@ class SearchSpace:
         if not self.supports(arch):
             return [f"family {self.family} does not target {arch.name}"]
         bad = [f"{k}={v!r} not in {self.parameters[k]}" for k, v in params.items()
-               if k in self.parameters and v not in self.parameters[k]]
+               if k in self.parameters and not _in_domain(v, self.parameters[k])]
+        bad += [f"{k}={v!r} not a problem value of type {type(self.problem[k][0]).__name__}"
+                for k, v in problem.items()
+                if k in self.problem and type(v) is not type(self.problem[k][0])]
         missing = set(self.parameters) - set(params)
         if missing:
             bad.append(f"missing parameters {sorted(missing)}")

@@ -27,8 +27,10 @@ class Workload:
             object.__setattr__(self, "seq_k", self.seq_q)
         for name in ("batch", "heads", "seq_q", "head_dim", "kv_heads", "seq_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be True or False, got {self.causal!r}")
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"query heads ({self.heads}) must be a multiple of kv heads ({self.kv_heads})"

@@ -76,11 +76,13 @@ def test_boolean_ops_short_circuit() -> None:
     assert Expr("A > 0 or MISSING > 0")(ENV) is True
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: and/or return bools, not an operand as Python does")
 def test_boolean_ops_return_an_operand_like_python() -> None:
     # The module promises Python expressions; in Python `C or A` is 7, `A and B` is 2.
     assert Expr("C or A")(ENV) == 7
     assert Expr("A and B")(ENV) == 2
+    assert Expr("C and A")(ENV) == 0
+    assert Expr("C or 0")(ENV) == 0
+    assert Expr("B or MISSING")(ENV) == 2
 
 
 def test_conditional_expressions() -> None:

@@ -1,0 +1,371 @@
+"""Tests of evoengine.validate on CPU tensors: the reference, torch SDPA and the criterion."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from evoengine import validate
+from evoengine.validate import Verdict, causal_mask, judge, reference, sdpa
+
+NEG_INF = float("-inf")
+
+
+def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+          scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention one query row at a time in Python floats, bottom-right causal, GQA by h // g."""
+    batch, heads, seq_q, dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    out = torch.zeros(batch, heads, seq_q, dim, dtype=torch.float64)
+    lse = torch.full((batch, heads, seq_q), NEG_INF, dtype=torch.float64)
+    qs, ks, vs = q.double().tolist(), k.double().tolist(), v.double().tolist()
+    for b in range(batch):
+        for h in range(heads):
+            kh = h // group
+            for i in range(seq_q):
+                keys = [j for j in range(seq_k) if not causal or j <= i + seq_k - seq_q]
+                if not keys:
+                    continue  # no key: output 0, log-sum-exp -inf
+                s = [scale * math.fsum(a * c for a, c in zip(qs[b][h][i], ks[b][kh][j],
+                                                              strict=True)) for j in keys]
+                m = max(s)
+                w = [math.exp(x - m) for x in s]
+                z = math.fsum(w)
+                for d in range(dim):
+                    out[b, h, i, d] = math.fsum(wj * vs[b][kh][j][d]
+                                                for wj, j in zip(w, keys, strict=True)) / z
+                lse[b, h, i] = m + math.log(z)
+    return out, lse
+
+
+def qkv(batch: int, heads: int, kv_heads: int, seq_q: int, seq_k: int, dim: int,
+        dtype: torch.dtype = torch.float64, seed: int = 0
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def make(h: int, s: int) -> torch.Tensor:
+        return torch.randn(batch, h, s, dim, generator=gen, dtype=torch.float64).to(dtype)
+
+    return make(heads, seq_q), make(kv_heads, seq_k), make(kv_heads, seq_k)
+
+
+# (batch, heads, kv_heads, seq_q, seq_k, dim, causal)
+SHAPES = [
+    (2, 2, 2, 6, 6, 8, False),
+    (2, 2, 2, 6, 6, 8, True),
+    (1, 2, 2, 7, 4, 8, True),   # seq_q > seq_k: the first 3 rows see no key
+    (1, 2, 2, 3, 8, 8, True),   # seq_q < seq_k: every row sees at least 6 keys
+    (1, 3, 3, 5, 9, 4, False),
+    (2, 4, 2, 5, 5, 8, True),   # GQA
+    (1, 4, 2, 6, 3, 8, True),   # GQA with rows that see no key
+    (1, 4, 1, 4, 7, 8, False),  # MQA
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{s[:6]}-{'causal' if s[6] else 'full'}"
+                                               for s in SHAPES])
+def test_reference_matches_a_naive_loop(shape: tuple, dtype: torch.dtype) -> None:
+    *dims, causal = shape
+    q, k, v = qkv(*dims, dtype=dtype)
+    out, lse = reference(q, k, v, causal=causal)
+    want_out, want_lse = naive(q, k, v, causal=causal)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float64
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12)
+
+
+def test_reference_with_an_explicit_scale() -> None:
+    q, k, v = qkv(1, 2, 1, 5, 6, 8)
+    out, lse = reference(q, k, v, causal=True, scale=0.3)
+    want_out, want_lse = naive(q, k, v, causal=True, scale=0.3)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12)
+    default_out, _ = reference(q, k, v, causal=True)
+    assert not torch.allclose(out, default_out)
+
+
+def test_rows_without_keys_are_zero_with_lse_minus_inf() -> None:
+    q, k, v = qkv(1, 2, 2, 7, 4, 8)
+    out, lse = reference(q, k, v, causal=True)
+    assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
+    assert bool(torch.isneginf(lse[:, :, :3]).all())
+    assert bool(torch.isfinite(lse[:, :, 3:]).all())
+    assert bool((out[:, :, 3:].abs().sum(-1) > 0).all())
+    # Row 3 sees exactly key 0: its output is v's row 0 and its lse the single score.
+    torch.testing.assert_close(out[0, 0, 3], v[0, 0, 0], rtol=0, atol=1e-12)
+    score = (q[0, 0, 3] @ k[0, 0, 0]).item() / math.sqrt(8)
+    assert lse[0, 0, 3].item() == pytest.approx(score, abs=1e-12)
+
+
+def test_bottom_right_alignment_with_fewer_queries() -> None:
+    q, k, v = qkv(1, 1, 1, 2, 5, 4)
+    out, _ = reference(q, k, v, causal=True)
+    full, _ = reference(q, k, v, causal=False)
+    # The last query sees every key, as in decoding; the one before sees all but the last.
+    torch.testing.assert_close(out[0, 0, 1], full[0, 0, 1], rtol=0, atol=1e-12)
+    part, _ = reference(q[:, :, :1], k[:, :, :4], v[:, :, :4], causal=False)
+    torch.testing.assert_close(out[0, 0, 0], part[0, 0, 0], rtol=0, atol=1e-12)
+
+
+def test_gqa_head_h_reads_kv_head_h_over_group() -> None:
+    q, k, v = qkv(1, 4, 2, 5, 5, 8)
+    out, _ = reference(q, k, v, causal=False)
+    for h in range(4):
+        alone, _ = reference(q[:, h:h + 1], k[:, h // 2:h // 2 + 1], v[:, h // 2:h // 2 + 1],
+                             causal=False)
+        torch.testing.assert_close(out[:, h:h + 1], alone, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("seq_q", "seq_k", "expected"),
+    [
+        (2, 4, [[1, 1, 1, 0], [1, 1, 1, 1]]),
+        (3, 2, [[0, 0], [1, 0], [1, 1]]),
+        (3, 3, [[1, 0, 0], [1, 1, 0], [1, 1, 1]]),
+    ],
+)
+def test_causal_mask_is_bottom_right(seq_q: int, seq_k: int, expected: list) -> None:
+    assert torch.equal(causal_mask(seq_q, seq_k, "cpu"), torch.tensor(expected, dtype=torch.bool))
+
+
+# ---- torch SDPA ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "seq_q", "seq_k", "causal"),
+    [(2, 2, 9, 9, True), (2, 2, 9, 5, True), (2, 2, 4, 9, True), (2, 2, 6, 8, False),
+     (4, 2, 7, 7, True), (4, 1, 8, 5, True)],
+)
+def test_sdpa_matches_reference_on_cpu(heads: int, kv_heads: int, seq_q: int, seq_k: int,
+                                       causal: bool) -> None:
+    q, k, v = qkv(2, heads, kv_heads, seq_q, seq_k, 16, dtype=torch.float32, seed=1)
+    out = sdpa(q, k, v, causal=causal)
+    ref, ref_lse = reference(q, k, v, causal=causal)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+    no_key = torch.isneginf(ref_lse)
+    assert bool((out[no_key] == 0).all())
+    assert int(no_key.sum()) == (2 * heads * max(0, seq_q - seq_k) if causal else 0)
+
+
+def test_sdpa_passes_the_scale() -> None:
+    q, k, v = qkv(1, 2, 2, 6, 6, 8, dtype=torch.float32)
+    out = sdpa(q, k, v, causal=False, scale=0.7)
+    ref, _ = reference(q, k, v, causal=False, scale=0.7)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+
+
+# ---- the criterion ------------------------------------------------------------------------
+
+
+def test_the_criterion_constants() -> None:
+    assert validate.ERR_FACTOR == 2.0
+    assert validate.ERR_FLOOR == 1e-5
+
+
+def test_tolerance_is_twice_the_baseline_error_plus_floor() -> None:
+    q, k, v = qkv(1, 2, 2, 6, 6, 8, dtype=torch.float32)
+    ref, _ = reference(q, k, v, causal=True)
+    baseline = ref.to(torch.float16)
+    baseline_err = (baseline.double() - ref).abs().max().item()
+    assert baseline_err > 0
+    verdict = judge(ref.clone(), ref, baseline)
+    assert verdict.ok
+    assert verdict.tolerance == 2 * baseline_err + 1e-5
+    assert verdict.max_err == 0.0
+
+
+def test_tolerance_boundary_is_inclusive() -> None:
+    ref = torch.zeros(1, 1, 2, 4, dtype=torch.float64)
+    baseline = torch.zeros(1, 1, 2, 4, dtype=torch.float32)
+    baseline[0, 0, 1, 2] = -0.25
+    tol = 2 * 0.25 + 1e-5
+    at = torch.full_like(ref, tol)
+    verdict = judge(at, ref, baseline)
+    assert verdict.ok and verdict.tolerance == tol and verdict.max_err == tol
+    beyond = at.clone()
+    beyond[0, 0, 0, 0] = math.nextafter(tol, math.inf)
+    verdict = judge(beyond, ref, baseline)
+    assert not verdict.ok
+    assert verdict.reason.startswith("wrong answer")
+
+
+def test_perturbed_output_within_tolerance_passes_and_beyond_fails() -> None:
+    gen = torch.Generator().manual_seed(3)
+    ref = torch.randn(2, 2, 5, 8, generator=gen, dtype=torch.float64)
+    noise = torch.rand(ref.shape, generator=gen, dtype=torch.float64) * 2 - 1
+    baseline = ref + 1e-3 * noise
+    base_err = (baseline.double() - ref).abs().max().item()
+    tol = 2 * base_err + 1e-5
+
+    inside = ref + 0.99 * tol * noise.sign()
+    verdict = judge(inside, ref, baseline)
+    assert verdict.ok and bool(verdict)
+    assert verdict.max_err == pytest.approx(0.99 * tol)
+
+    outside = ref.clone()
+    outside[1, 0, 3, 2] += 1.01 * tol
+    verdict = judge(outside, ref, baseline)
+    assert not verdict.ok and not bool(verdict)
+    assert verdict.max_err == pytest.approx(1.01 * tol)
+    assert "wrong answer" in verdict.reason
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_output_fails(bad: float) -> None:
+    ref = torch.zeros(1, 2, 3, 4, dtype=torch.float64)
+    out = torch.zeros(1, 2, 3, 4, dtype=torch.float16)
+    out[0, 1, 2, 3] = bad
+    # Even with a huge tolerance (a terrible baseline), a non-finite element fails.
+    verdict = judge(out, ref, torch.full_like(ref, 1e30))
+    assert not verdict.ok
+    assert "non-finite" in verdict.reason
+    assert verdict.reason.startswith("1 non-finite")
+    assert verdict.max_err == math.inf
+
+
+def test_wrong_shape_fails() -> None:
+    ref = torch.zeros(1, 2, 3, 4, dtype=torch.float64)
+    verdict = judge(torch.zeros(1, 2, 4, 3), ref, ref)
+    assert not verdict.ok
+    assert verdict.reason == "shape (1, 2, 4, 3) != (1, 2, 3, 4)"
+    assert verdict.max_err == math.inf
+
+
+# ---- the log-sum-exp ------------------------------------------------------------------------
+
+
+def lse_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out/ref of shape [1, 1, 3, 4]; ref lse with a no-key first row."""
+    ref = torch.zeros(1, 1, 3, 4, dtype=torch.float64)
+    ref_lse = torch.tensor([[[NEG_INF, 1.5, -2.0]]], dtype=torch.float64)
+    return ref, ref.clone(), ref_lse
+
+
+def test_lse_matching_including_minus_inf_passes() -> None:
+    ref, out, ref_lse = lse_case()
+    lse = ref_lse.float()
+    assert judge(out, ref, ref, lse, ref_lse).ok
+
+
+def test_lse_within_its_tolerance_passes_and_beyond_fails() -> None:
+    ref, out, ref_lse = lse_case()
+    lse_tol = validate.LSE_ATOL + validate.LSE_RTOL * 1.5
+    near = ref_lse.clone()
+    near[0, 0, 1] += 0.9 * lse_tol
+    assert judge(out, ref, ref, near, ref_lse).ok
+    far = ref_lse.clone()
+    far[0, 0, 1] += 1.1 * lse_tol
+    verdict = judge(out, ref, ref, far, ref_lse)
+    assert not verdict.ok
+    assert "log-sum-exp off by" in verdict.reason
+
+
+def test_lse_nan_fails() -> None:
+    ref, out, ref_lse = lse_case()
+    lse = ref_lse.clone()
+    lse[0, 0, 2] = float("nan")
+    verdict = judge(out, ref, ref, lse, ref_lse)
+    assert not verdict.ok
+    assert "NaN" in verdict.reason
+
+
+@pytest.mark.parametrize("bad", [float("inf"), NEG_INF])
+def test_lse_infinite_where_reference_is_finite_fails(bad: float) -> None:
+    ref, out, ref_lse = lse_case()
+    lse = ref_lse.clone()
+    lse[0, 0, 1] = bad
+    assert not judge(out, ref, ref, lse, ref_lse).ok
+
+
+# Regression: the tolerance LSE_RTOL * |ref_lse| used to be inf on such rows, passing any lse.
+@pytest.mark.parametrize("bad", [0.0, 5.0, float("inf")])
+def test_lse_finite_where_reference_is_minus_inf_fails(bad: float) -> None:
+    ref, out, ref_lse = lse_case()
+    lse = ref_lse.clone()
+    lse[0, 0, 0] = bad
+    assert not judge(out, ref, ref, lse, ref_lse).ok
+
+
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_rows_without_keys_must_be_exactly_zero(with_lse: bool) -> None:
+    ref, out, ref_lse = lse_case()
+    baseline = ref.clone()
+    baseline[0, 0, 2, 0] = 1e-3  # a tolerance of 2e-3 + 1e-5
+    lse = ref_lse.float() if with_lse else None
+    assert judge(out, ref, baseline, lse, ref_lse).ok
+    out[0, 0, 0, 0] = 1e-6  # row 0 sees no key (ref_lse -inf): within tol, but not zero
+    verdict = judge(out, ref, baseline, lse, ref_lse)
+    assert not verdict.ok
+    assert "no key" in verdict.reason
+    out[0, 0, 0, 0] = 0.0
+    out[0, 0, 1, 0] = 1e-6  # the same error on a row that sees keys is fine
+    assert judge(out, ref, baseline, lse, ref_lse).ok
+
+
+def test_lse_is_ignored_when_not_asked() -> None:
+    ref, out, ref_lse = lse_case()
+    nan_lse = torch.full((1, 1, 3), float("nan"))
+    assert judge(out, ref, ref, nan_lse, None).ok
+    assert judge(out, ref, ref, None, ref_lse).ok
+
+
+def test_verdict_truthiness() -> None:
+    assert bool(Verdict(True, 0.0, 1.0)) is True
+    assert bool(Verdict(False, 0.0, 1.0, "x")) is False
+
+
+# ---- check ------------------------------------------------------------------------------------
+
+
+def reference_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None,
+                     out: torch.Tensor, lse: torch.Tensor | None, causal: bool = True) -> None:
+    o, l_ = reference(q, k, v, causal=causal, scale=scale)
+    out.copy_(o)
+    if lse is not None:
+        lse.copy_(l_)
+
+
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> None:
+        raise AssertionError("device='cpu' must not touch CUDA")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+
+
+CHECK = dict(batch=1, heads=2, kv_heads=1, seq_q=5, seq_k=3, head_dim=8, causal=True,
+             dtype=torch.float32, seed=1, device="cpu")
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_check_runs_on_cpu(monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+    no_cuda(monkeypatch)
+    verdict = validate.check(reference_kernel, layout=layout, **CHECK)  # type: ignore[arg-type]
+    assert verdict.ok, verdict.reason
+
+
+def test_check_fails_a_wrong_kernel_and_names_the_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    no_cuda(monkeypatch)
+
+    def off_by_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> None:
+        reference_kernel(q, k, v, **kw)  # type: ignore[arg-type]
+        kw["out"].add_(1.0)  # type: ignore[attr-defined]
+
+    def unwritten_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None,
+                      out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        reference_kernel(q, k, v, scale=scale, out=out, lse=None)
+
+    verdict = validate.check(off_by_one, **CHECK)  # type: ignore[arg-type]
+    assert not verdict.ok
+    assert "wrong answer" in verdict.reason and verdict.reason.endswith("(seed 1)")
+    verdict = validate.check(unwritten_lse, **CHECK)  # type: ignore[arg-type]
+    assert not verdict.ok and "NaN" in verdict.reason
+    assert validate.check(unwritten_lse, with_lse=False, **CHECK).ok  # type: ignore[arg-type]
