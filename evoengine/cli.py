@@ -56,11 +56,8 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
     reports = []
     for i, (cand, result) in enumerate(zip(cands, compile_many(cands, arch, args.workers),
                                            strict=True)):
-        report = {"identity": cand.identity, "family": cand.family, "problem": cand.problem,
-                  "params": cand.params, **result.report()}
-        report.pop("identity", None)
-        report = {"identity": cand.identity, **report}
-        reports.append(report)
+        reports.append({"identity": cand.identity, "family": cand.family,
+                        "problem": cand.problem, "params": cand.params, **result.report()})
         if not args.json:
             status = (f"regs {result.registers:3d}  spill {result.spill_bytes:4d}  "
                       f"smem {result.smem_bytes:6d}" if result.ok else f"ERROR {result.error}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import re
 import sys
@@ -141,8 +142,6 @@ def compile_candidate(candidate: Candidate, arch: Arch | str) -> CompileResult:
     cached = _cache_path(candidate, arch)
     meta = cached.with_suffix(".json")
     if cached.is_file() and meta.is_file():
-        import json
-
         report = json.loads(meta.read_text())
         return CompileResult(**{**report, "cubin": cached.read_bytes(), "log": ""})
     result = compile_source(render(candidate), arch, candidate.defines(arch),
@@ -163,8 +162,6 @@ def _cache_path(candidate: Candidate, arch: Arch) -> Path:
 
 def _cache_write(path: Path, result: CompileResult) -> None:
     """Write cubin then report, each atomically, so a reader never sees half an entry."""
-    import json
-
     path.parent.mkdir(parents=True, exist_ok=True)
     report = result.report()
     report.pop("spill_bytes")
