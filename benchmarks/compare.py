@@ -21,7 +21,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from evoengine import measure, paths, validate  # noqa: E402
 from evoengine.compile import compile_many  # noqa: E402
@@ -41,30 +40,6 @@ def parse_workload(text: str, dtype: str) -> Workload:
     parts = text.split(",")
     causal = parts[-1] == "causal"
     return Workload.parse(",".join(parts[:4]), causal=causal, dtype=dtype)
-
-
-def inputs(w: Workload, n_sets: int) -> list[tuple[torch.Tensor, ...]]:
-    sets = []
-    for _ in range(n_sets):
-        shape = (w.batch, w.heads, w.seq_q, w.head_dim)
-        q = torch.randn(shape, device="cuda").to(TORCH_DTYPE[w.dtype])
-        k = torch.randn(w.batch, w.kv_heads, w.seq_k, w.head_dim, device="cuda").to(q.dtype)
-        v = torch.randn_like(k)
-        sets.append((q, k, v, torch.empty_like(q)))
-    return sets
-
-
-def time_sdpa(w: Workload, sets: list, backend: SDPBackend) -> measure.Timing | None:
-    def call(i: int) -> None:
-        q, k, v, _ = sets[i]
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=w.causal,
-                                                         enable_gqa=w.kv_heads != w.heads)
-    try:
-        with sdpa_kernel([backend]):
-            return measure.time_calls(call, len(sets))
-    except RuntimeError as e:
-        print(f"  {backend.name} unavailable: {str(e).splitlines()[0]}")
-        return None
 
 
 def time_kernel(kernel: Kernel, w: Workload, sets: list) -> measure.Timing:
@@ -101,10 +76,9 @@ def main() -> None:
         admitted = space.admitted(problem, arch)
         points += rng.sample(admitted, min(args.sweep, len(admitted)))
         cands = [make_candidate(space, p, problem, arch) for p in points]
-        per_set = 2 * w.batch * w.head_dim * (w.heads * w.seq_q + 2 * w.kv_heads * w.seq_k)
-        sets = inputs(w, measure.copies_needed(per_set))
-        flash = time_sdpa(w, sets, SDPBackend.FLASH_ATTENTION)
-        cudnn = time_sdpa(w, sets, SDPBackend.CUDNN_ATTENTION)
+        sets = measure.workload_inputs(w)
+        flash = measure.time_sdpa(w, sets, "flash")
+        cudnn = measure.time_sdpa(w, sets, "cudnn")
         print(f"{w.key()}: flash {flash and round(flash.median_us, 1)} us, "
               f"cudnn {cudnn and round(cudnn.median_us, 1)} us, {len(cands)} candidates")
         results = []

@@ -151,6 +151,13 @@ def compile_candidate(candidate: Candidate, arch: Arch | str) -> CompileResult:
     return result
 
 
+def is_cached(candidate: Candidate, arch: Arch | str) -> bool:
+    """Whether ``compile_candidate`` would serve this candidate from the disk cache."""
+    arch = get_arch(arch) if isinstance(arch, str) else arch
+    path = _cache_path(candidate, arch)
+    return path.is_file() and path.with_suffix(".json").is_file()
+
+
 def _cache_path(candidate: Candidate, arch: Arch) -> Path:
     """Keyed by identity and target, and by the compiler and its options: a cubin from another
     NVRTC or other flags is never served. Include paths are left out of the key (they name

@@ -32,7 +32,7 @@ def space(family: str) -> SearchSpace:
 
 def clear_caches() -> None:
     render.template_hash.cache_clear()
-    render._environment.cache_clear()
+    render._environment_for.cache_clear()
 
 
 @pytest.fixture(autouse=True)
