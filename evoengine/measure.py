@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 # Inputs are rotated until the bytes touched exceed this (H100: 50 MB of L2, H200: 60 MB).
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 GRAPH_BELOW_US = 50.0  # calls shorter than this are timed by graph replay
+# A search decides once per workload, so every contender (candidates, SDPA's backends) is
+# timed the same way: graph replay below this many FLOPs (~50 us at 300 TFLOP/s). Deciding
+# per call would time SDPA eagerly (its host overhead alone passes 50 us) and us by graph.
+GRAPH_BELOW_FLOPS = 15e9
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,11 @@ def _time_graph(fn: Callable[[int], None], n_sets: int, reps: int, per_graph: in
 def _summary(samples_us: Sequence[float], graph: bool) -> Timing:
     q = statistics.quantiles(samples_us, n=4) if len(samples_us) >= 4 else [0.0, 0.0, 0.0]
     return Timing(statistics.median(samples_us), q[2] - q[0], len(samples_us), graph)
+
+
+def graph_for(workload: Workload) -> bool:
+    """Whether calls on ``workload`` are timed by CUDA-graph replay."""
+    return workload.flops() < GRAPH_BELOW_FLOPS
 
 
 def workload_inputs(workload: Workload, device: str | int = "cuda",

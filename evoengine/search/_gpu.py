@@ -8,6 +8,7 @@ the parent starts a fresh worker for the next candidate.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import statistics
 import subprocess
@@ -48,7 +49,8 @@ def serve(conn: Any, workload_dict: dict[str, Any], device: int) -> None:
             where = traceback.extract_tb(e.__traceback__)[-1]
             conn.send(("fault", f"fault: {type(e).__name__}: {first} "
                                 f"[{where.filename.rsplit('/', 1)[-1]}:{where.lineno}]"))
-            return
+            conn.close()
+            os._exit(3)  # no destructors on a context a fault may have broken
         conn.send(("ok", result))
 
 
@@ -72,6 +74,7 @@ class _Worker:
                       "cuda": str(torch.version.cuda)})
         self.sets = measure.workload_inputs(self.workload, f"cuda:{device}")
         self.scale = 1.0 / math.sqrt(self.workload.head_dim)
+        self.graph = measure.graph_for(self.workload)
 
     def _timer(self, candidate: Any, compiled: Any) -> Any:
         from evoengine.runtime import Kernel, check_inputs
@@ -94,7 +97,7 @@ class _Worker:
         if not verdict.ok:
             return {"ok": False, "reason": verdict.reason, "max_err": _finite(verdict.max_err),
                     "tolerance": verdict.tolerance}
-        t = measure.time_calls(call, len(self.sets))
+        t = measure.time_calls(call, len(self.sets), graph=self.graph)
         return {"ok": True, "median_us": t.median_us, "spread_us": t.spread_us, "reps": t.reps,
                 "graph": t.graph, "max_err": verdict.max_err, "tolerance": verdict.tolerance}
 
@@ -103,7 +106,7 @@ class _Worker:
 
         out = {}
         for backend in measure.SDPA_BACKENDS:
-            t = measure.time_sdpa(self.workload, self.sets, backend)
+            t = measure.time_sdpa(self.workload, self.sets, backend, graph=self.graph)
             out[backend] = None if t is None else t.median_us
         return out
 
@@ -119,9 +122,10 @@ class _Worker:
         sdpa: dict[str, list[float]] = {b: [] for b in measure.SDPA_BACKENDS}
         for _ in range(rounds):
             for i, call in enumerate(calls):
-                samples[i].append(measure.time_calls(call, len(self.sets)).median_us)
+                samples[i].append(measure.time_calls(call, len(self.sets),
+                                                     graph=self.graph).median_us)
             for backend in measure.SDPA_BACKENDS:
-                t = measure.time_sdpa(self.workload, self.sets, backend)
+                t = measure.time_sdpa(self.workload, self.sets, backend, graph=self.graph)
                 if t is not None:
                     sdpa[backend].append(t.median_us)
         torch.cuda.synchronize()

@@ -88,10 +88,10 @@ class SearchResult:
             "torch": self.device.versions.get("torch"), "commit": _commit(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "study": self.study, "run_id": self.run_id,
-            "method": "search medians: CUDA events, 10 warm-up calls, median of 50 (graph replay "
-                      "of 64 calls when a call is under 50 us), inputs rotated over >=256 MB; "
-                      "elites re-timed interleaved with SDPA flash and cuDNN, median of "
-                      "rounds",
+            "method": "CUDA events, 10 warm-up calls, median of 50 (graph replay of 64 calls, "
+                      "for every contender, when the workload is under 15 GFLOP), inputs "
+                      "rotated over >=256 MB; elites re-timed interleaved with SDPA flash and "
+                      "cuDNN, median of the rounds' medians",
             "search": _tally_dict(self.tally),
             "rows": self.rows,
         }
