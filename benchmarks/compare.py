@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="*", default=DEFAULT_WORKLOADS)
     ap.add_argument("--dtype", default="fp16", choices=sorted(TORCH_DTYPE))
     ap.add_argument("--params", action="append", default=[], help="JSON of one parameter set")
+    ap.add_argument("--points", type=Path,
+                    help='JSON {"workloads": {"B,H,S,D[,causal]": [params, ...]}}: per workload')
     ap.add_argument("--sweep", type=int, default=0, help="also time N random admitted points")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--all-rows", action="store_true")
@@ -73,6 +75,9 @@ def main() -> None:
         w = parse_workload(text, args.dtype)
         problem = w.problem()
         points = [json.loads(p) for p in args.params]
+        if args.points:
+            points += json.loads(args.points.read_text())["workloads"].get(text, [])
+        points = [p for p in points if not space.violations(p, problem, arch)]
         admitted = space.admitted(problem, arch)
         points += rng.sample(admitted, min(args.sweep, len(admitted)))
         cands = [make_candidate(space, p, problem, arch) for p in points]
