@@ -15,14 +15,14 @@ from evoengine.space import SearchSpace, SpaceError, default_spaces, sample
 FAMILIES = ("mma", "wmma")
 PARAM_ORDER = ["BLOCK_M", "BLOCK_N", "NUM_WARPS", "STAGES", "SWIZZLE", "Q_IN_REGS"]
 # Parameters of one family only, after the shared ones.
-FAMILY_PARAMS = {"mma": ["LAZY_RESCALE", "MIN_BLOCKS"], "wmma": []}
+FAMILY_PARAMS = {"mma": ["LAZY_RESCALE", "MIN_BLOCKS", "PIPELINE"], "wmma": []}
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 
 # A point each shipped space admits on every target (checked below).
 BASE_POINT = {
     "mma": dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True,
-                LAZY_RESCALE=False, MIN_BLOCKS=1),
+                LAZY_RESCALE=False, MIN_BLOCKS=1, PIPELINE="split"),
     "wmma": dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=1, SWIZZLE="pad", Q_IN_REGS=False),
 }
 
@@ -146,6 +146,8 @@ CONSTRAINT_CASES = [
     # 8 warps, 2 blocks: 128 registers, too few for 16 rows x (128 + 128) accumulators.
     ("mma", "MIN_BLOCKS == 1 or LIVE_REGS + HEAD_DIM // 2 + 24 <= REG_CAP",
      dict(BLOCK_M=128, NUM_WARPS=8, BLOCK_N=128, Q_IN_REGS=False, MIN_BLOCKS=2), HD128,
+     "sm_80", {}),
+    ("mma", "PIPELINE == 'split' or STAGES >= 2", {"PIPELINE": "joint", "STAGES": 1}, HD64,
      "sm_80", {}),
     ("wmma", "HEAD_DIM % 16 == 0 and 16 <= HEAD_DIM <= 256", {}, {**HD64, "HEAD_DIM": 72},
      "sm_80", {}),
