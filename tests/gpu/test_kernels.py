@@ -20,12 +20,17 @@ from evoengine.runtime import Kernel, gpu_arch
 from evoengine.space import SearchSpace
 
 # Hand-picked points spanning each family's parameters (stages, swizzle, Q placement,
-# one or two m16 tiles per warp).
+# one or two m16 tiles per warp, lazy rescale, a register cap, both K/V pipelines).
 CONFIGS = {
     "mma": [
-        dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True),
-        dict(BLOCK_M=128, BLOCK_N=32, NUM_WARPS=4, STAGES=3, SWIZZLE="pad", Q_IN_REGS=False),
-        dict(BLOCK_M=128, BLOCK_N=64, NUM_WARPS=8, STAGES=1, SWIZZLE="none", Q_IN_REGS=False),
+        dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True,
+             LAZY_RESCALE=False, MIN_BLOCKS=1, PIPELINE="joint"),
+        dict(BLOCK_M=128, BLOCK_N=32, NUM_WARPS=4, STAGES=3, SWIZZLE="pad", Q_IN_REGS=False,
+             LAZY_RESCALE=True, MIN_BLOCKS=1, PIPELINE="split"),
+        dict(BLOCK_M=128, BLOCK_N=64, NUM_WARPS=8, STAGES=1, SWIZZLE="none", Q_IN_REGS=False,
+             LAZY_RESCALE=True, MIN_BLOCKS=1, PIPELINE="split"),
+        dict(BLOCK_M=64, BLOCK_N=32, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=False,
+             LAZY_RESCALE=False, MIN_BLOCKS=3, PIPELINE="split"),
     ],
     "wmma": [
         dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="pad", Q_IN_REGS=False),
