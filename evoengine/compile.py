@@ -72,7 +72,9 @@ def cuda_include_dirs() -> list[str]:
 
 
 def nvrtc_options(arch: Arch, defines: dict[str, int]) -> list[str]:
-    opts = [f"--gpu-architecture={arch.name}", "-std=c++17", "-Xptxas=-v",
+    # -default-device: NVRTC 13.0 (the GPU box's) treats a lambda in a kernel as a host
+    # function unless told that unannotated functions are device code; 13.5 does not care.
+    opts = [f"--gpu-architecture={arch.name}", "-std=c++17", "-default-device", "-Xptxas=-v",
             "--extra-device-vectorization"]
     opts += [f"-D{k}={v}" for k, v in defines.items()]
     opts += [f"-I{d}" for d in cuda_include_dirs()]
