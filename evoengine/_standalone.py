@@ -33,6 +33,7 @@ KERNEL_NAME = "attn_fwd"
 KERNEL_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in KERNEL_DTYPES.items()}
 FALLBACKS = (None, "sdpa")
+MIN_SM = 80  # cp.async and mma.sync m16n8k16
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z: heads and batch
 
 # The launch arguments, packed once per call into a buffer the driver reads: 5 pointers,
@@ -249,9 +250,9 @@ class CudaKernel:
         from cupy.cuda import driver, runtime
 
         arch = device_arch(index)
-        if _sm(arch) < 80:
-            raise NoKernelError(f"kernel {self.name} needs sm_80 or newer (cp.async, "
-                                f"mma.sync); cuda:{index} is {arch}")
+        if _sm(arch) < MIN_SM:
+            raise NoKernelError(f"kernel {self.name} needs sm_{MIN_SM} or newer; cuda:{index} "
+                                f"is {arch}")
         with cupy.cuda.Device(index):
             limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                                index)
@@ -464,31 +465,36 @@ class TunedAttention:
         return None if group is None else nearest(group, seq_q, seq_k, rows)
 
     def _kernel_for(self, q: Tensor, p: Problem, causal: bool) -> CudaKernel | None:
-        key = (q.dtype, p.head_dim, causal, p.seq_q, p.seq_k, p.batch * p.heads)
+        """The kernel for a call, or None (no kernel for its key, or a GPU older than
+        sm_80); memoised, since a model makes the same calls over and over."""
+        index = q.get_device()
+        key = (q.dtype, p.head_dim, causal, p.seq_q, p.seq_k, p.batch * p.heads, index)
         try:
             return self._choices[key]
         except KeyError:
             pass
         dtype = _DTYPE_NAMES.get(q.dtype)
-        entry = None if dtype is None else self.select(dtype, *key[1:])
-        kernel = None if entry is None else self.kernels[entry.kernel]
-        if kernel is not None and not self._runs_on(kernel, q.get_device()):
-            kernel = None
+        entry = None if dtype is None else self.select(dtype, *key[1:6])
+        kernel = None
+        if entry is not None and _sm(device_arch(index)) >= MIN_SM:
+            kernel = self.kernels[entry.kernel]
         if len(self._choices) > 4096:  # lengths vary without bound; keep the cache small
             self._choices.clear()
         self._choices[key] = kernel
         return kernel
 
-    @staticmethod
-    def _runs_on(kernel: CudaKernel, index: int) -> bool:
-        return _sm(device_arch(index)) >= 80
-
-    def no_kernel(self, dtype: object, head_dim: int, causal: bool, device: str = "") -> str:
+    def no_kernel(self, q: Tensor, head_dim: int, causal: bool) -> str:
+        """Why a call has no kernel, naming what this module has."""
+        dtype = _DTYPE_NAMES.get(q.dtype)
+        hint = " Pass fallback='sdpa' to run torch SDPA for such calls."
+        if dtype is not None and (dtype, head_dim, causal) in self.table:
+            arch = device_arch(q.get_device())
+            return (f"the tuned kernels need sm_{MIN_SM} or newer; {q.device} is {arch}."
+                    + hint)
         have = "; ".join(describe(key) for key in self.table) or "none"
-        where = f" on {device}" if device else ""
-        return (f"no tuned kernel for {dtype} head_dim {head_dim} "
-                f"{'causal' if causal else 'non-causal'}{where}; this module has kernels for: "
-                f"{have}. Pass fallback='sdpa' to run torch SDPA for such calls")
+        return (f"no tuned kernel for {q.dtype} head_dim {head_dim} "
+                f"{'causal' if causal else 'non-causal'}; this module has kernels for: "
+                f"{have}." + hint)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                 scale: float | None = None, out: Tensor | None = None,
@@ -504,9 +510,7 @@ class TunedAttention:
         kernel = self._kernel_for(q, p, causal)
         if kernel is None:
             if fallback is None:
-                arch = device_arch(q.get_device())
-                raise NoKernelError(self.no_kernel(q.dtype, p.head_dim, causal,
-                                                   f"{q.device} ({arch})"))
+                raise NoKernelError(self.no_kernel(q, p.head_dim, causal))
             if lse is not None:
                 raise ValueError("lse is not available from the SDPA fallback")
             result = sdpa_attention(q, k, v, causal=causal, scale=scale)

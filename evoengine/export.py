@@ -240,8 +240,9 @@ class Exported:
     def summary(self) -> str:
         keys = "; ".join(f"{describe(key)} at sk " + ", ".join(str(e.seq_k) for e in group)
                          for key, group in dispatch_table(self.entries).items())
-        return (f"wrote {self.path}: {len(self.kernels)} kernels for {self.arch}, "
-                f"{len(self.entries)} dispatch entries ({keys})")
+        n, m = len(self.kernels), len(self.entries)
+        return (f"wrote {self.path}: {n} kernel{'s' * (n != 1)} for {self.arch}, "
+                f"{m} dispatch entr{'ies' if m != 1 else 'y'} ({keys})")
 
 
 def export_best(store: str | os.PathLike[str], arch: Arch | str, *, study: str | None = None,
