@@ -425,9 +425,9 @@ def describe(key: tuple[str, int, bool]) -> str:
 
 # ---- the tuned attention function ---------------------------------------------------------
 
-def _dispatch_modes() -> int:
-    getter = getattr(torch._C, "_len_torch_dispatch_mode", None)
-    return getter() if getter is not None else 0
+# How many TorchDispatchModes are active (FakeTensorMode, FlopCounterMode, ...): calls under
+# one go through the custom op, so that the mode sees it.
+_dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_mode", lambda: 0)
 
 
 class TunedAttention:
@@ -517,7 +517,10 @@ class TunedAttention:
             if out is not None:
                 check_out(out, q, None, p)
                 return out.copy_(result)
-            return result.transpose(1, 2).contiguous().transpose(1, 2) if bshd else result
+            # The layout the custom op's fake promises (SDPA may return either).
+            if bshd:
+                return result.transpose(1, 2).contiguous().transpose(1, 2)
+            return result.contiguous()
         if out is None:
             if bshd:  # [B, H, S, D] view of [B, S, H, D] storage: what Transformers wants
                 out = torch.empty((p.batch, p.seq_q, p.heads, p.head_dim), dtype=q.dtype,

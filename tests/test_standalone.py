@@ -7,6 +7,7 @@ Input checks shared with the runtime are tested in test_runtime.py; launches in 
 from __future__ import annotations
 
 import ast
+import struct
 import sys
 from pathlib import Path
 
@@ -65,6 +66,17 @@ def test_cupy_is_imported_only_when_a_kernel_loads() -> None:
 ])
 def test_cubin_runs_on(cubin: str, device: str, runs: bool) -> None:
     assert cubin_runs_on(cubin, device) is runs
+
+
+def test_launch_arguments_sit_where_the_kernel_reads_them() -> None:
+    # attn_fwd(5 pointers, 4 int, 12 long long, float): each at its natural alignment.
+    fields = "QQQQQiiiiqqqqqqqqqqqqf"
+    assert len(sa._ARG_OFFSETS) == len(fields) == 22
+    for i, offset in enumerate(sa._ARG_OFFSETS):
+        assert struct.calcsize("@" + fields[:i]) == offset  # native (C) layout
+        assert struct.calcsize("=" + fields[:i]) == offset  # as packed: no padding needed
+        assert offset % struct.calcsize(fields[i]) == 0
+    assert sa._ARGS.size == 156
 
 
 def test_cubins_pack_as_text_and_back() -> None:
