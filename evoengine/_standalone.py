@@ -187,9 +187,10 @@ class _Loaded(NamedTuple):
     """A kernel loaded on one device: what the hot path needs, and what keeps it alive."""
 
     fn: int  # CUfunction
-    ctx: int  # CUcontext it belongs to
+    ctx: int  # the device's primary CUcontext, which torch and cupy share
     launch: Callable[..., None]  # cupy.cuda.driver.launchKernel
-    current_ctx: Callable[[], int]
+    get_ctx: Callable[[], int]  # cuCtxGetCurrent
+    set_ctx: Callable[[int], None]  # cuCtxSetCurrent
     owner: object  # the cupy module; unloading it would free the function
 
 
@@ -254,6 +255,7 @@ class CudaKernel:
             raise NoKernelError(f"kernel {self.name} needs sm_{MIN_SM} or newer; cuda:{index} "
                                 f"is {arch}")
         with cupy.cuda.Device(index):
+            runtime.setDevice(index)  # binds the primary context, even in a fresh thread
             limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                                index)
             if self.smem_bytes > limit:
@@ -283,7 +285,7 @@ class CudaKernel:
             driver.funcSetAttribute(
                 fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem_bytes)
             return _Loaded(fn.ptr, driver.ctxGetCurrent(), driver.launchKernel,
-                           driver.ctxGetCurrent, (owner, fn))
+                           driver.ctxGetCurrent, driver.ctxSetCurrent, (owner, fn))
 
     def _compile(self, arch: str, smem_limit: int) -> tuple[Any, Any]:
         import cupy
@@ -314,13 +316,18 @@ class CudaKernel:
                 vs[2], os_[0], os_[1], os_[2], scale * LOG2E)
             args = (loaded.fn, grid_x, p.heads, p.batch, self.threads, 1, 1, self.smem_bytes,
                     stream, self._argv_ptr, 0)
-            if loaded.current_ctx() == loaded.ctx:
+            current = loaded.get_ctx()
+            if current == loaded.ctx:
                 loaded.launch(*args)
-            else:  # another device is current, or this thread has no context yet
-                import cupy
-
-                with cupy.cuda.Device(index):
+            elif current == 0:  # a thread with no context yet: bind it, as the runtime would
+                loaded.set_ctx(loaded.ctx)
+                loaded.launch(*args)
+            else:  # another device is current: launch in this one's, then give it back
+                loaded.set_ctx(loaded.ctx)
+                try:
                     loaded.launch(*args)
+                finally:
+                    loaded.set_ctx(current)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
                  out: Tensor | None = None, lse: Tensor | None = None) -> Tensor:
@@ -543,14 +550,15 @@ class TunedAttention:
         """
         # The custom op costs tens of microseconds per eager call in the dispatcher, so plain
         # tensors outside compile, dispatch modes and autograd skip it and run the same code.
-        if not torch.compiler.is_compiling() and (
-                not all(isinstance(t, Tensor) for t in (q, k, v))  # raises the TypeError
-                or (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+        if not torch.compiler.is_compiling():
+            if (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
                     and not _dispatch_modes()
                     and not (torch.is_grad_enabled()
-                             and (q.requires_grad or k.requires_grad or v.requires_grad)))):
-            return self.forward(q, k, v, causal=causal, scale=scale, fallback=fallback,
-                                bshd=bshd)
+                             and (q.requires_grad or k.requires_grad or v.requires_grad))):
+                return self.forward(q, k, v, causal=causal, scale=scale, fallback=fallback,
+                                    bshd=bshd)
+            if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+                return self.forward(q, k, v)  # raises the TypeError naming what was expected
         return self._op(q, k, v, causal, scale, fallback, bshd)
 
     def register_transformers(self, name: str = "evoengine", *,
