@@ -458,6 +458,7 @@ class TunedAttention:
                                  f"which is compiled for another problem")
         self.provenance = dict(provenance or {})
         self._choices: dict[tuple, CudaKernel | None] = {}
+        self._refused: dict[tuple, str] = {}  # why a kernel would not load on a device
         self._op, self.namespace = _define_op(self, namespace)
 
     def __repr__(self) -> str:
@@ -483,8 +484,13 @@ class TunedAttention:
         dtype = _DTYPE_NAMES.get(q.dtype)
         entry = None if dtype is None else self.select(dtype, *key[1:6])
         kernel = None
-        if entry is not None and _sm(device_arch(index)) >= MIN_SM:
+        if entry is not None:
             kernel = self.kernels[entry.kernel]
+            try:
+                kernel.load(index)  # once per device: a GPU it cannot run on says so here
+            except NoKernelError as e:
+                self._refused[key[:3]] = str(e)
+                kernel = None
         if len(self._choices) > 4096:  # lengths vary without bound; keep the cache small
             self._choices.clear()
         self._choices[key] = kernel
@@ -492,12 +498,10 @@ class TunedAttention:
 
     def no_kernel(self, q: Tensor, head_dim: int, causal: bool) -> str:
         """Why a call has no kernel, naming what this module has."""
-        dtype = _DTYPE_NAMES.get(q.dtype)
         hint = " Pass fallback='sdpa' to run torch SDPA for such calls."
-        if dtype is not None and (dtype, head_dim, causal) in self.table:
-            arch = device_arch(q.get_device())
-            return (f"the tuned kernels need sm_{MIN_SM} or newer; {q.device} is {arch}."
-                    + hint)
+        refused = self._refused.get((q.dtype, head_dim, causal))
+        if refused is not None:
+            return refused + "." + hint
         have = "; ".join(describe(key) for key in self.table) or "none"
         return (f"no tuned kernel for {q.dtype} head_dim {head_dim} "
                 f"{'causal' if causal else 'non-causal'}; this module has kernels for: "

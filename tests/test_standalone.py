@@ -26,6 +26,7 @@ from evoengine._standalone import (
     kernel_from_spec,
     nearest,
     pack_cubin,
+    sdpa_attention,
     sha256,
     unpack_cubin,
 )
@@ -235,3 +236,22 @@ def test_bad_shapes_are_named(tuned: TunedAttention, args: tuple, message: str) 
 def test_grid_limits_are_checked() -> None:
     with pytest.raises(ValueError, match="at most 65535"):
         sa._check_grid(sa.Problem(70000, 1, 1, 8, 8, 64))
+
+
+def test_a_gpu_that_cannot_run_the_kernel_is_named_or_falls_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    k = kernel()
+    tuned = TunedAttention([k], [E(512)], namespace="evotest_refused")
+
+    def refuse(index: int) -> None:
+        raise NoKernelError(f"kernel {k.name} needs sm_80 or newer; cuda:{index} is sm_75")
+
+    monkeypatch.setattr(k, "load", refuse)
+    q = q_like(1, 2, 16, 64)
+    with pytest.raises(NoKernelError, match=r"needs sm_80 or newer; cuda:-1 is sm_75\. "
+                                            r"Pass fallback='sdpa'"):
+        tuned.forward(q, q, q)
+    x = torch.randn(1, 2, 16, 64).to(torch.float16)
+    out = tuned.forward(cuda_like(x), cuda_like(x), cuda_like(x), fallback="sdpa")
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), sdpa_attention(x, x, x,
+                                                                             causal=False))
