@@ -59,6 +59,11 @@ def store_url(store: str | os.PathLike[str]) -> str:
     return f"sqlite:///{path.resolve()}"
 
 
+def _shown(store: Store) -> str:
+    """The store's URL as shown to people: without its password."""
+    return sa.make_url(store.url).render_as_string(hide_password=True)
+
+
 @dataclass(frozen=True)
 class Winner:
     """A rank-1 elite with what it was measured on."""
@@ -98,7 +103,7 @@ def winners(store: Store, arch: Arch, study: str | None = None) -> list[Winner]:
             continue
         candidate = store.candidate(elite.identity)
         if candidate is None:  # the foreign key makes this impossible; say so if it happens
-            raise ExportError(f"elite {elite.identity} has no candidate row in {store.url}")
+            raise ExportError(f"elite {elite.identity} has no candidate row in {_shown(store)}")
         workload = _workload_of(elite, run)
         if workload.problem() != candidate.problem:
             raise ExportError(f"elite {elite.identity} won {elite.workload_key}, whose problem "
@@ -198,7 +203,7 @@ def provenance(store: Store, arch: Arch, study: str | None,
         "exporter": f"evoengine {__version__}",
         "commit": project_commit(),
         "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "store": sa.make_url(store.url).render_as_string(hide_password=True),
+        "store": _shown(store),
         "study": study,
         "arch": arch.name,
         "compiler": nvrtc_version(),
