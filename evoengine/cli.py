@@ -197,8 +197,20 @@ def _cuda_or_fail(command: str) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    _gpu_or_fail("export")
-    raise UsageError("export is not built yet (open issue #4)")
+    from evoengine.export import DEFAULT_STORE, export_best
+    from evoengine.runtime import NoGPUError, gpu_arch
+
+    if args.arch is not None:
+        arch = get_arch(args.arch)
+    else:
+        try:
+            arch = gpu_arch()
+        except NoGPUError as e:
+            raise UsageError(f"export needs a CUDA GPU to pick the target ({e}); name one "
+                             "with --arch, e.g. --arch sm_90a: cubins compile offline") from None
+    done = export_best(args.store or DEFAULT_STORE, arch, study=args.study, output=args.output)
+    print(done.summary())
+    return 0
 
 
 # ---- parser -------------------------------------------------------------------------------
@@ -270,10 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write one self-contained Python module (cupy + torch only) "
                        "holding the elites' sources, cubins and a dispatch table.")
     e.add_argument("which", choices=["best"], help="what to export")
-    e.add_argument("--arch", help="target (default: the GPU present)")
-    e.add_argument("--store", metavar="URL")
-    e.add_argument("--study")
-    e.add_argument("-o", "--output", default="tuned_attention.py")
+    e.add_argument("--arch", help=f"target ({archs}; default: the GPU present)")
+    e.add_argument("--store", metavar="URL",
+                   help="SQLAlchemy URL or SQLite file (default runs/evoengine.db)")
+    e.add_argument("--study", help="only elites found by runs of this study")
+    e.add_argument("-o", "--output", default="tuned_attention.py",
+                   help="the module to write (default tuned_attention.py)")
     e.set_defaults(func=cmd_export)
 
     ls = sub.add_parser("list", help="list runs, candidates or elites in the store")

@@ -71,21 +71,11 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
          scale: float | None = None) -> torch.Tensor:
-    """torch SDPA in the inputs' dtype, with the same bottom-right causal alignment."""
-    import torch
-    import torch.nn.functional as F
+    """torch SDPA in the inputs' dtype, with the same bottom-right causal alignment (the SDPA
+    fallback of exported modules is this same function)."""
+    from evoengine._standalone import sdpa_attention
 
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    if not causal:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale)
-    if q.shape[2] == k.shape[2]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    mask = causal_mask(q.shape[2], k.shape[2], q.device)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return torch.nan_to_num(out, nan=0.0)  # rows with no key: defined as zero
+    return sdpa_attention(q, k, v, causal=causal, scale=scale)
 
 
 def judge(out: torch.Tensor, ref: torch.Tensor, baseline: torch.Tensor,
