@@ -58,6 +58,10 @@ class Domain:
     def all_points(self) -> list[Point]:
         return list(self._identities.values())
 
+    def items(self) -> list[tuple[str, Point]]:
+        """``(identity, point)`` of every admitted point."""
+        return list(self._identities.items())
+
     def identity(self, family: str, params: Mapping[str, Any]) -> str:
         space = self.spaces[family]
         return make_identity(family, self.problem, {k: params[k] for k in space.parameters})

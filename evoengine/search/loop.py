@@ -300,8 +300,7 @@ class _Loop:
         """Whether some admitted point is neither measured nor on its way."""
         taken = {p.candidate.identity for p in self.inflight.values()}
         taken |= {p.candidate.identity for p, _ in self.ready}
-        return any(i not in self.measured and i not in taken
-                   for i in (self.domain.identity(*pt) for pt in self.domain.all_points()))
+        return any(i not in self.measured and i not in taken for i, _ in self.domain.items())
 
     def _in_flight(self, identity: str) -> bool:
         return any(p.candidate.identity == identity for p in self.inflight.values()) or any(

@@ -126,7 +126,7 @@ class EvoSampler(BaseSampler):
         return self._repair(a[0], child, seen)
 
     def _random_unseen(self, seen: set[str]) -> Point | None:
-        fresh = [p for p in self.domain.all_points() if self.domain.identity(*p) not in seen]
+        fresh = [p for i, p in self.domain.items() if i not in seen]
         return self._rng.choice(fresh) if fresh else None
 
     def _tournament(self, parents: list[tuple[float, Point]]) -> Point:
