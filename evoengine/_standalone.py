@@ -290,13 +290,15 @@ class CudaKernel:
     def _compile(self, arch: str, smem_limit: int) -> tuple[Any, Any]:
         import cupy
 
-        # The options evoengine.compile gives NVRTC, less the target: cupy picks the device's.
+        # The options evoengine.compile gives NVRTC. The target is named: cupy's own choice
+        # for a 9.0 device is plain sm_90, without wgmma/setmaxnreg.
         defines = {**self.defines, "EVO_SMEM_LIMIT": smem_limit}
-        options = ("-std=c++17", "--extra-device-vectorization",
-                   *(f"-D{k}={v}" for k, v in defines.items()))
+        options = ("-std=c++17", "-default-device", "--extra-device-vectorization",
+                   f"-arch={arch}", *(f"-D{k}={v}" for k, v in defines.items()))
         try:
             module = cupy.RawModule(code=self.source, options=options)
-            return module.get_function(KERNEL_NAME), module
+            kernel = module.get_function(KERNEL_NAME)  # a RawKernel; .kernel compiles it
+            return kernel.kernel, module
         except Exception as e:  # cupy's CompileException carries the log
             raise RuntimeError(f"compiling kernel {self.name} for {arch} failed: {e}") from e
 
