@@ -122,6 +122,12 @@ class Kernel:
         self.head_dim = int(candidate.problem["HEAD_DIM"])  # type: ignore[call-overload]
         self.dtype = str(candidate.problem["DTYPE"])
         self.causal = bool(candidate.problem["CAUSAL"])
+        # The wgmma family takes TMA tensor maps instead of pointers: its own launcher.
+        self._tma = None
+        if candidate.family == "wgmma":
+            from evoengine._tma import TmaLauncher
+
+            self._tma = TmaLauncher(candidate, self._fn.ptr, torch.cuda.current_device())
 
     @classmethod
     def build(cls, candidate: Candidate, arch: Arch | str) -> Kernel:
@@ -152,6 +158,9 @@ class Kernel:
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None, p: Problem, scale: float) -> None:
         """Launch without checks, on torch's current stream (inputs already validated)."""
+        if self._tma is not None:
+            self._tma.launch(q, k, v, out, lse, p, scale)
+            return
         import cupy
         import torch
 

@@ -190,16 +190,19 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo, u64 mode) {
 // Descriptors of the k16 slices of a tile. K-major (Q, K, P: rows are M or N, the reduction
 // runs along the row): the slice starting at column k sits in one panel, 32 bytes into its
 // swizzled rows; SBO steps 8 rows. The leading offset is unused for swizzled K-major layouts.
+// A slice's descriptor is the tile's plus the slice's offset in 16-byte units, a constant once
+// loops are unrolled (no carry: shared addresses stay below 2^18 bytes).
 template <class Tile>
 __device__ __forceinline__ u64 desc_k_major(u32 tile, int k) {
-  return smem_desc(tile + (k / Tile::PANEL) * Tile::PANEL_BYTES + (k % Tile::PANEL) * 2, 16,
-                   Tile::ATOM_BYTES, Tile::MODE);
+  return smem_desc(tile, 16, Tile::ATOM_BYTES, Tile::MODE) +
+         (((k / Tile::PANEL) * Tile::PANEL_BYTES + (k % Tile::PANEL) * 2) >> 4);
 }
 // MN-major (V as the B of P.V: rows are the reduction, N runs along the row): the slice of
 // rows [k, k + 16); LBO steps from one panel of N to the next, SBO steps 8 rows of K.
 template <class Tile>
 __device__ __forceinline__ u64 desc_mn_major(u32 tile, int k) {
-  return smem_desc(tile + k * (Tile::PANEL * 2), Tile::PANEL_BYTES, Tile::ATOM_BYTES, Tile::MODE);
+  return smem_desc(tile, Tile::PANEL_BYTES, Tile::ATOM_BYTES, Tile::MODE) +
+         ((k * Tile::PANEL * 2) >> 4);
 }
 
 // ---- plain shared-memory access by address ------------------------------------------------
