@@ -46,14 +46,25 @@ __device__ __forceinline__ bool try_wait(u32 bar, u32 parity) {
   return done != 0;
 }
 
+__device__ __forceinline__ u64 global_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+
+// A wait that lasts this long is a deadlock (a bug): trap, so the launch fails with an error
+// instead of hanging the GPU. Real waits are microseconds.
+constexpr u64 WATCHDOG_NS = 2000000000ull;
+
 // Waits for the phase of parity `parity` to complete. A fresh barrier counts its (virtual)
-// phase before the first as complete, so waiting on parity 1 passes at once. The bounded
-// spin turns a deadlock (a bug) into a trapped launch instead of a hung GPU: each try_wait
-// suspends for a while, so 2^26 tries is seconds, far past any real wait.
+// phase before the first as complete, so waiting on parity 1 passes at once. Each try_wait
+// may suspend the thread for a while; the clock is read only once the first try failed.
 __device__ __forceinline__ void wait(u32 bar, u32 parity) {
+  if (try_wait(bar, parity)) return;
+  const u64 start = global_ns();
 #pragma unroll 1
-  for (u32 tries = 0; !try_wait(bar, parity); ++tries) {
-    if (tries == (1u << 26)) asm volatile("trap;\n");
+  while (!try_wait(bar, parity)) {
+    if (global_ns() - start > WATCHDOG_NS) asm volatile("trap;\n");
   }
 }
 
