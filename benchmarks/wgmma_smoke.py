@@ -38,7 +38,8 @@ from evoengine.workload import Workload  # noqa: E402
 ARCH = get_arch("sm_90a")
 # FlashAttention-3's shapes and some neighbours: (2 consumers, 128 x 128), (2 consumers,
 # 128 x 176, ping-pong) for d128, (3 consumers, 192 x 128) for d64, and two covering the
-# other options (P through shared memory, no overlap, 64/32-byte swizzle, persistent).
+# other options (P through shared memory, no overlap, 64/32-byte swizzle, persistent,
+# three-way turns).
 DEFAULT_POINTS = [
     dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs", INTRA_WG_OVERLAP=True,
          PINGPONG=False, PERSISTENT=False),
@@ -51,7 +52,7 @@ DEFAULT_POINTS = [
     dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem", INTRA_WG_OVERLAP=False,
          PINGPONG=True, PERSISTENT=True),
     dict(BLOCK_M=192, BLOCK_N=64, STAGES=4, SWIZZLE=32, P_FROM="regs", INTRA_WG_OVERLAP=True,
-         PINGPONG=False, PERSISTENT=True),
+         PINGPONG=True, PERSISTENT=True),
 ]
 PROBLEMS = [dict(HEAD_DIM=d, DTYPE=t, CAUSAL=c) for d in (64, 128) for t in ("fp16", "bf16")
             for c in (False, True)]

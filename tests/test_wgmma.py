@@ -143,7 +143,7 @@ CONSTRAINT_CASES = [
     ("BLOCK_N % 16 == 0", {"BLOCK_N": 72}, HD64, SM90, {"BLOCK_N": 72}),
     ("P_FROM == 'regs' or BLOCK_N % PANEL == 0", dict(BLOCK_N=96, P_FROM="smem"), HD64, SM90,
      {}),
-    ("not PINGPONG or CONSUMER_WG == 2", dict(PINGPONG=True, BLOCK_M=64), HD64, SM90, {}),
+    ("not PINGPONG or CONSUMER_WG >= 2", dict(PINGPONG=True, BLOCK_M=64), HD64, SM90, {}),
     ("THREADS <= MAX_THREADS", {}, HD64, _FEW_THREADS, {}),
     ("SMEM_BYTES <= SMEM_LIMIT", dict(BLOCK_N=192, STAGES=4, P_FROM="smem"), HD128, SM90, {}),
     ("LIVE_REGS + REG_MARGIN <= CONSUMER_REGS", {"BLOCK_M": 192}, HD128, SM90, {}),

@@ -39,7 +39,7 @@ CONFIGS = {
         dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
              INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True),
         dict(BLOCK_M=192, BLOCK_N=64, STAGES=4, SWIZZLE=32, P_FROM="regs",
-             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=True),
+             INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True),
         dict(BLOCK_M=64, BLOCK_N=176, STAGES=2, SWIZZLE=128, P_FROM="regs",
              INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False),
         dict(BLOCK_M=128, BLOCK_N=96, STAGES=2, SWIZZLE=32, P_FROM="smem",
