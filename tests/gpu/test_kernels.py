@@ -36,6 +36,20 @@ CONFIGS = {
         dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="pad", Q_IN_REGS=False),
         dict(BLOCK_M=32, BLOCK_N=32, NUM_WARPS=2, STAGES=3, SWIZZLE="none", Q_IN_REGS=True),
     ],
+    # sm_90a only: 1, 2 and 3 consumer warpgroups, each swizzle width, P from registers and
+    # shared memory, with and without intra-warpgroup overlap, ping-pong and a persistent grid.
+    "wgmma": [
+        dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
+             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False),
+        dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
+             INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True),
+        dict(BLOCK_M=192, BLOCK_N=64, STAGES=4, SWIZZLE=32, P_FROM="regs",
+             INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True),
+        dict(BLOCK_M=64, BLOCK_N=176, STAGES=2, SWIZZLE=128, P_FROM="regs",
+             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False),
+        dict(BLOCK_M=128, BLOCK_N=96, STAGES=2, SWIZZLE=32, P_FROM="smem",
+             INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=False),
+    ],
 }
 
 # (batch, heads, kv_heads, seq_q, seq_k, layout)
@@ -60,6 +74,16 @@ def space(family: str) -> SearchSpace:
     return SearchSpace.load(paths.SPACES / f"{family}.toml")
 
 
+def targets_this_gpu(family: str) -> bool:
+    return space(family).supports(gpu_arch())
+
+
+def need_family(family: str) -> None:
+    """Skip a test of a family that does not target this GPU (wgmma off Hopper)."""
+    if not targets_this_gpu(family):
+        pytest.skip(f"{family} does not target {gpu_arch().name}")
+
+
 def build(cands: list[Candidate]) -> list[Kernel]:
     """Compile what is missing in parallel, then load; cached across tests."""
     arch = gpu_arch()
@@ -74,7 +98,7 @@ def build(cands: list[Candidate]) -> list[Kernel]:
 def prebuild() -> None:
     arch = gpu_arch()
     build([make_candidate(space(f), cfg, pr, arch) for f, cfgs in CONFIGS.items()
-           for cfg in cfgs for pr in PROBLEMS])
+           if targets_this_gpu(f) for cfg in cfgs for pr in PROBLEMS])
 
 
 def run_check(kernel: Kernel, shape: tuple, scale: float | None = None) -> validate.Verdict:
@@ -97,6 +121,7 @@ def problem_id(p: dict) -> str:
 @pytest.mark.parametrize("family,idx", POINTS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_reference(family: str, idx: int, problem: dict, shape: tuple) -> None:
+    need_family(family)
     (kernel,) = build([make_candidate(space(family), CONFIGS[family][idx], problem, gpu_arch())])
     verdict = run_check(kernel, shape)
     assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
@@ -104,6 +129,7 @@ def test_matches_reference(family: str, idx: int, problem: dict, shape: tuple) -
 
 @pytest.mark.parametrize("family", CONFIGS)
 def test_softmax_scale(family: str) -> None:
+    need_family(family)
     (kernel,) = build([make_candidate(space(family), CONFIGS[family][0], PROBLEMS[1], gpu_arch())])
     for scale in (0.02, 0.5, -0.1, 0.0):  # negative and zero take their own paths
         verdict = run_check(kernel, (1, 4, 2, 190, 250, "bhsd"), scale=scale)
@@ -135,6 +161,7 @@ def test_row_max_growing_along_the_keys(causal: bool) -> None:
 @pytest.mark.parametrize("family", CONFIGS)
 @pytest.mark.parametrize("head_dim", [32, 96, 256])
 def test_other_head_dims(family: str, head_dim: int) -> None:
+    need_family(family)
     arch = gpu_arch()
     sp = space(family)
     for causal in (False, True):
@@ -150,6 +177,7 @@ def test_other_head_dims(family: str, head_dim: int) -> None:
 @pytest.mark.parametrize("family", CONFIGS)
 def test_random_admitted_points(family: str) -> None:
     """A spread of the whole space: any admitted point must be correct, not just ours."""
+    need_family(family)
     arch = gpu_arch()
     sp = space(family)
     rng = random.Random(2026)
@@ -183,3 +211,24 @@ def test_poisoned_output_catches_unwritten_rows() -> None:
 def test_arch_is_hopper_or_ampere() -> None:
     assert gpu_arch() in (get_arch("sm_80"), get_arch("sm_86"), get_arch("sm_89"),
                           get_arch("sm_90a"))
+
+
+@pytest.mark.parametrize("idx", range(len(CONFIGS["wgmma"])))
+def test_wgmma_more_tiles_than_sms(idx: int) -> None:
+    """Persistent blocks loop over several tiles (Q reloaded, the rings carried across)."""
+    need_family("wgmma")
+    for problem in (PROBLEMS[0], PROBLEMS[7]):
+        (kernel,) = build([make_candidate(space("wgmma"), CONFIGS["wgmma"][idx], problem,
+                                          gpu_arch())])
+        for shape in ((3, 16, 4, 1111, 1000, "bshd"), (2, 32, 8, 1000, 1111, "bhsd")):
+            verdict = run_check(kernel, shape)
+            assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
+
+
+def test_wgmma_refuses_a_scale_it_cannot_take() -> None:
+    need_family("wgmma")
+    (kernel,) = build([make_candidate(space("wgmma"), CONFIGS["wgmma"][0], PROBLEMS[0],
+                                      gpu_arch())])
+    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="positive softmax scale"):
+        kernel(q, q, q, scale=-0.1)

@@ -1,0 +1,279 @@
+"""Offline checks of the wgmma family: its search space, its rendered source, its compiled code
+(HGMMA and TMA in the SASS, no local memory) and the host-side tensor-map geometry.
+
+No GPU is needed; the SASS checks run where ``cuobjdump`` is found and skip elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from evoengine import paths
+from evoengine._tma import Q_BOX_ROWS, launch_geometry, map_geometry
+from evoengine.arch import Arch, get_arch
+from evoengine.compile import CompileResult, compile_many, compile_source
+from evoengine.render import Candidate, make_candidate, render
+from evoengine.space import SearchSpace, default_spaces, spread
+
+SM90 = get_arch("sm_90a")
+BASE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
+            INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False)
+HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
+HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
+SPREAD = 16  # compiled points: two per default problem
+
+
+def space() -> SearchSpace:
+    return SearchSpace.load(paths.SPACES / "wgmma.toml")
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("EVOENGINE_CACHE", str(root))
+    return root
+
+
+# ---- the SASS ---------------------------------------------------------------------------------
+
+
+def find_cuobjdump() -> str | None:
+    """cuobjdump from PATH, the CUDA toolkit, or the nvidia-cuda-cuobjdump wheel."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    roots = [Path(os.environ[v]) for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    roots.append(Path("/usr/local/cuda"))
+    for entry in sys.path:
+        roots.extend(sorted(Path(entry).glob("nvidia/cu*")))
+    for root in roots:
+        if (root / "bin" / "cuobjdump").is_file():
+            return str(root / "bin" / "cuobjdump")
+    return None
+
+
+CUOBJDUMP = find_cuobjdump()
+_OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", re.M)
+
+
+def sass_opcodes(cubin: bytes) -> list[str]:
+    """Each instruction's base opcode (HGMMA, UTMALDG, LDL, ...), in program order."""
+    assert CUOBJDUMP is not None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        done = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True,
+                              check=True)
+    return _OPCODE.findall(done.stdout)
+
+
+def check_compiled(c: Candidate, r: CompileResult) -> None:
+    """Compiled, no spill or stack, no serialised wgmma; and from the SASS where readable:
+    HGMMA issued (at least every k-step of both GEMMs once), TMA loads, mbarrier waits,
+    register reallocation, and no local-memory traffic."""
+    assert r.ok, f"{c.identity}: {r.error}\n{r.log}"
+    assert r.spill_bytes == 0 and r.stack_bytes == 0, (c.identity, r.report())
+    assert "serialized" not in r.log, r.log
+    if CUOBJDUMP is None:
+        return
+    ops = sass_opcodes(r.cubin or b"")
+    head_dim, block_n = int(c.problem["HEAD_DIM"]), int(c.params["BLOCK_N"])  # type: ignore[call-overload]
+    assert ops.count("HGMMA") >= head_dim // 16 + block_n // 16, c.identity
+    assert "UTMALDG" in ops and "SYNCS" in ops and "USETMAXREG" in ops, c.identity
+    assert "LDL" not in ops and "STL" not in ops, c.identity
+    assert "HMMA" not in ops, c.identity  # the slower mma.sync path is not used
+
+
+# ---- the space ------------------------------------------------------------------------------
+
+
+def test_space_targets_sm90a_only() -> None:
+    sp = space()
+    assert sp.archs == ("sm_90a",)
+    assert list(sp.parameters) == ["BLOCK_M", "BLOCK_N", "STAGES", "SWIZZLE", "P_FROM",
+                                   "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT"]
+    for arch in ("sm_80", "sm_86", "sm_89"):
+        target = get_arch(arch)
+        assert sp.violations(BASE, HD64, target) == [f"family wgmma does not target {arch}"]
+        assert all(s.family != "wgmma" for s, _, _ in spread(default_spaces(), target, 40))
+        with pytest.raises(ValueError, match="does not target"):
+            make_candidate(sp, BASE, HD64, target)
+
+
+def test_base_point_is_admitted_for_every_problem() -> None:
+    sp = space()
+    for problem in sp.problems():
+        assert sp.violations(BASE, problem, SM90) == []
+
+
+def test_every_parameter_value_is_reachable() -> None:
+    sp = space()
+    admitted = [p for problem in sp.problems() for p in sp.admitted(problem, SM90)]
+    for name, domain in sp.parameters.items():
+        assert {p[name] for p in admitted} == set(domain), name
+
+
+def test_derived_values_match_hand_computation() -> None:
+    env = space().env(BASE, HD128, SM90)
+    assert env["CONSUMER_WG"] == 2 and env["THREADS"] == 384 and env["PANEL"] == 64
+    # Q 128 x 128, 2 stages of K and V 128 x 128, 10 mbarriers, 1024 bytes of alignment slack.
+    assert env["SMEM_BYTES"] == 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 8 * 10 + 1024
+    # O and S accumulators plus the previous block's P (held across the overlapped GEMMs).
+    assert env["LIVE_REGS"] == 64 + 64 + 32 and env["REG_MARGIN"] == 32
+    assert env["CONSUMER_REGS"] == 232
+    no_overlap = space().env({**BASE, "INTRA_WG_OVERLAP": False}, HD128, SM90)
+    assert no_overlap["LIVE_REGS"] == 64 + 64 and no_overlap["REG_MARGIN"] == 40
+
+
+# (rule text, parameter override, problem, target, extra domain values)
+_FEW_THREADS = dataclasses.replace(SM90, max_threads=256)
+CONSTRAINT_CASES = [
+    ("HEAD_DIM % 16 == 0 and 16 <= HEAD_DIM <= 256", dict(SWIZZLE=32, BLOCK_N=64),
+     {**HD64, "HEAD_DIM": 272}, SM90, {}),
+    ("HEAD_DIM % PANEL == 0", {}, {**HD64, "HEAD_DIM": 96}, SM90, {}),
+    ("BLOCK_N % 16 == 0", {"BLOCK_N": 72}, HD64, SM90, {"BLOCK_N": 72}),
+    ("P_FROM == 'regs' or BLOCK_N % PANEL == 0", dict(BLOCK_N=96, P_FROM="smem"), HD64, SM90,
+     {}),
+    ("not PINGPONG or CONSUMER_WG >= 2", dict(PINGPONG=True, BLOCK_M=64), HD64, SM90, {}),
+    ("THREADS <= MAX_THREADS", {}, HD64, _FEW_THREADS, {}),
+    ("SMEM_BYTES <= SMEM_LIMIT", dict(BLOCK_N=192, STAGES=4, P_FROM="smem"), HD128, SM90, {}),
+    ("LIVE_REGS + REG_MARGIN <= CONSUMER_REGS", {"BLOCK_M": 192}, HD128, SM90, {}),
+]
+
+
+@pytest.mark.parametrize(("rule", "override", "problem", "arch", "extra"), CONSTRAINT_CASES,
+                         ids=[c[0] for c in CONSTRAINT_CASES])
+def test_each_constraint_fires_alone(rule: str, override: dict, problem: dict, arch: Arch,
+                                     extra: dict) -> None:
+    sp = space()
+    if extra:
+        params = {k: (*v, *([extra[k]] if k in extra else [])) for k, v in sp.parameters.items()}
+        sp = dataclasses.replace(sp, parameters=params)
+    (c,) = [c for c in sp.constraints if c.rule.text == rule]
+    assert sp.violations({**BASE, **override}, problem, arch) == [f"{c.why} ({rule})"]
+
+
+def test_constraint_cases_cover_every_constraint() -> None:
+    assert {c[0] for c in CONSTRAINT_CASES} == {c.rule.text for c in space().constraints}
+
+
+# ---- the rendered source ----------------------------------------------------------------------
+
+
+def test_rendered_source_declares_the_point() -> None:
+    c = make_candidate(space(), BASE, HD64, SM90)
+    src = render(c)
+    for line in (
+        f"// evoengine candidate {c.identity}",
+        "constexpr int HEAD_DIM = 64;",
+        "constexpr bool IS_BF16 = false;",
+        "constexpr int BLOCK_M = 128;",
+        "constexpr int BLOCK_N = 128;",
+        "constexpr int STAGES = 2;",
+        "constexpr int SWIZZLE = 128;",
+        "constexpr bool P_IN_SMEM = false;",
+        "constexpr bool INTRA_WG_OVERLAP = true;",
+        "constexpr bool PINGPONG = false;",
+        "constexpr bool PERSISTENT = false;",
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {",  # S: N = BLOCK_N
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {",  # O: N = HEAD_DIM
+        '"%0, %1, %2, %3, ',  # every accumulator register named
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
+        "setmaxnreg.inc.sync.aligned.u32",
+        "const __grid_constant__ TmaMap tm_q",
+    ):
+        assert line in src, line
+    for marker in ("{{", "}}", "/*%", "%*/", "/*#"):
+        assert marker not in src, marker
+
+
+def test_one_wrapper_when_block_n_equals_head_dim() -> None:
+    src = render(make_candidate(space(), {**BASE, "BLOCK_N": 64}, {**HD64, "DTYPE": "bf16"},
+                                SM90))
+    assert src.count("struct mma_async<64> {") == 1
+    assert "m64n64k16.f32.bf16.bf16" in src and ".f16.f16" not in src
+
+
+# ---- compiled code ----------------------------------------------------------------------------
+
+
+def test_spread_compiles_with_hgmma_and_no_local_memory() -> None:
+    points = spread([space()], SM90, SPREAD, seed=0)
+    assert len({tuple(problem.values()) for _, problem, _ in points}) == 8  # every problem
+    cands = [make_candidate(sp, params, problem, SM90) for sp, problem, params in points]
+    for c, r in zip(cands, compile_many(cands, SM90, workers=2), strict=True):
+        check_compiled(c, r)
+
+
+@pytest.mark.parametrize("override", [
+    {},  # FlashAttention-3's d128 shape: 2 consumers, 128 x 128, P in registers, overlap
+    dict(BLOCK_M=192, BLOCK_N=64, SWIZZLE=32, P_FROM="smem", PERSISTENT=True),
+    dict(BLOCK_M=64, BLOCK_N=176, INTRA_WG_OVERLAP=False),
+    dict(SWIZZLE=64, PINGPONG=True, P_FROM="smem", BLOCK_N=64),
+])
+def test_feature_points_compile_clean(override: dict) -> None:
+    for problem in (HD64, HD128):
+        c = make_candidate(space(), {**BASE, **override}, problem, SM90)
+        check_compiled(c, compile_source(render(c), SM90, c.defines(SM90), identity=c.identity,
+                                         smem_bytes=c.smem_bytes))
+
+
+def test_smem_static_assert_ties_space_to_kernel() -> None:
+    c = make_candidate(space(), BASE, HD64, SM90)
+    bad = compile_source(render(c), SM90, {**c.defines(SM90), "EVO_SMEM_BYTES": c.smem_bytes + 8})
+    assert not bad.ok
+    assert "the search space computes the same shared memory" in (bad.error or "")
+
+
+# ---- host side: tensor maps and the grid ------------------------------------------------------
+
+
+def test_map_geometry_of_a_contiguous_tensor() -> None:
+    g = map_geometry((2, 8, 100, 128), (8 * 100 * 128, 100 * 128, 128, 1), 2, Q_BOX_ROWS, 128)
+    assert g.dims == (128, 100, 8, 2)  # innermost first
+    assert g.strides == (256, 100 * 256, 8 * 100 * 256)
+    assert g.box == (64, 64, 1, 1) and g.swizzle == 128
+
+
+def test_map_geometry_of_a_strided_view() -> None:
+    # q.transpose(1, 2) of [B, S, H, D] storage: the seq stride spans all heads.
+    b, s, h, d = 2, 77, 6, 64
+    g = map_geometry((b, h, s, d), (s * h * d, d, h * d, 1), 2, 96, 32)
+    assert g.dims == (64, 77, 6, 2)
+    assert g.strides == (h * d * 2, d * 2, s * h * d * 2)
+    assert g.box == (16, 96, 1, 1)
+
+
+def test_map_geometry_gives_size_one_dims_a_legal_stride() -> None:
+    g = map_geometry((1, 1, 5, 64), (0, 0, 64, 1), 2, 64, 128)
+    assert g.strides[0] == 128 and all(x > 0 and x % 16 == 0 for x in g.strides)
+
+
+@pytest.mark.parametrize(("shape", "strides", "swizzle", "message"), [
+    ((1, 2, 5, 64), (640, 320, 64, 1), 16, "swizzle must be one of"),
+    ((1, 2, 5, 96), (960, 480, 96, 1), 128, "whole number of 64-value panels"),
+    ((1, 2, 5, 64), (640, 0, 64, 1), 128, "positive multiples of 16"),
+    ((1, 2, 5, 64), (640, 320, 1, 64), 128, "contiguous"),
+])
+def test_map_geometry_refuses_what_tma_cannot_take(shape: tuple, strides: tuple, swizzle: int,
+                                                   message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        map_geometry(shape, strides, 2, 64, swizzle)
+
+
+def test_launch_geometry() -> None:
+    c = make_candidate(space(), BASE, HD64, SM90)
+    assert launch_geometry(c, seq_q=1000, heads=16, batch=4, sms=132).grid == 8 * 16 * 4
+    p = make_candidate(space(), {**BASE, "PERSISTENT": True}, HD64, SM90)
+    geo = launch_geometry(p, seq_q=1000, heads=16, batch=4, sms=132)
+    assert (geo.grid, geo.total_tiles) == (132, 512)
+    assert launch_geometry(p, seq_q=100, heads=2, batch=1, sms=132).grid == 2
