@@ -21,7 +21,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from evoengine import measure, paths, validate  # noqa: E402
 from evoengine.compile import compile_many  # noqa: E402
@@ -43,30 +42,6 @@ def parse_workload(text: str, dtype: str) -> Workload:
     return Workload.parse(",".join(parts[:4]), causal=causal, dtype=dtype)
 
 
-def inputs(w: Workload, n_sets: int) -> list[tuple[torch.Tensor, ...]]:
-    sets = []
-    for _ in range(n_sets):
-        shape = (w.batch, w.heads, w.seq_q, w.head_dim)
-        q = torch.randn(shape, device="cuda").to(TORCH_DTYPE[w.dtype])
-        k = torch.randn(w.batch, w.kv_heads, w.seq_k, w.head_dim, device="cuda").to(q.dtype)
-        v = torch.randn_like(k)
-        sets.append((q, k, v, torch.empty_like(q)))
-    return sets
-
-
-def time_sdpa(w: Workload, sets: list, backend: SDPBackend) -> measure.Timing | None:
-    def call(i: int) -> None:
-        q, k, v, _ = sets[i]
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=w.causal,
-                                                         enable_gqa=w.kv_heads != w.heads)
-    try:
-        with sdpa_kernel([backend]):
-            return measure.time_calls(call, len(sets))
-    except RuntimeError as e:
-        print(f"  {backend.name} unavailable: {str(e).splitlines()[0]}")
-        return None
-
-
 def time_kernel(kernel: Kernel, w: Workload, sets: list) -> measure.Timing:
     p = check_inputs(*sets[0][:3], head_dim=kernel.head_dim, dtype=kernel.dtype)
     scale = w.head_dim ** -0.5
@@ -74,7 +49,7 @@ def time_kernel(kernel: Kernel, w: Workload, sets: list) -> measure.Timing:
     def call(i: int) -> None:
         q, k, v, o = sets[i]
         kernel.launch(q, k, v, o, None, p, scale)
-    return measure.time_calls(call, len(sets))
+    return measure.time_calls(call, len(sets), graph=measure.graph_for(w))
 
 
 def main() -> None:
@@ -84,6 +59,8 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="*", default=DEFAULT_WORKLOADS)
     ap.add_argument("--dtype", default="fp16", choices=sorted(TORCH_DTYPE))
     ap.add_argument("--params", action="append", default=[], help="JSON of one parameter set")
+    ap.add_argument("--points", type=Path,
+                    help='JSON {"workloads": {"B,H,S,D[,causal]": [params, ...]}}: per workload')
     ap.add_argument("--sweep", type=int, default=0, help="also time N random admitted points")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--all-rows", action="store_true")
@@ -98,13 +75,16 @@ def main() -> None:
         w = parse_workload(text, args.dtype)
         problem = w.problem()
         points = [json.loads(p) for p in args.params]
+        if args.points:
+            points += json.loads(args.points.read_text())["workloads"].get(text, [])
+        points = [p for p in points if not space.violations(p, problem, arch)]
         admitted = space.admitted(problem, arch)
         points += rng.sample(admitted, min(args.sweep, len(admitted)))
         cands = [make_candidate(space, p, problem, arch) for p in points]
-        per_set = 2 * w.batch * w.head_dim * (w.heads * w.seq_q + 2 * w.kv_heads * w.seq_k)
-        sets = inputs(w, measure.copies_needed(per_set))
-        flash = time_sdpa(w, sets, SDPBackend.FLASH_ATTENTION)
-        cudnn = time_sdpa(w, sets, SDPBackend.CUDNN_ATTENTION)
+        sets = measure.workload_inputs(w)
+        graph = measure.graph_for(w)
+        flash = measure.time_sdpa(w, sets, "flash", graph=graph)
+        cudnn = measure.time_sdpa(w, sets, "cudnn", graph=graph)
         print(f"{w.key()}: flash {flash and round(flash.median_us, 1)} us, "
               f"cudnn {cudnn and round(cudnn.median_us, 1)} us, {len(cands)} candidates")
         results = []
@@ -141,8 +121,8 @@ def main() -> None:
         "device": props.name, "driver": _driver(), "torch": torch.__version__,
         "commit": os.environ.get("EVO_COMMIT", "unknown"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "method": "CUDA events, 10 warm-up calls, median of 50 (graph replay of 64 calls when "
-                  "a call is under 50 us), inputs rotated over >=256 MB",
+        "method": "CUDA events, 10 warm-up calls, median of 50 (graph replay of 64 calls, for all "
+                  "contenders, when the workload is under 15 GFLOP), inputs rotated over >=256 MB",
         "rows": rows,
     }
     print(f"\n{'workload':42} {'ours us':>9} {'flash us':>9} {'cudnn us':>9} {'TFLOPS':>7} "

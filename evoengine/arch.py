@@ -15,6 +15,16 @@ class Arch:
     max_threads: int
     regs_per_sm: int
 
+    def runs_on(self, major: int, minor: int) -> bool:
+        """Whether this target's cubins run on a device of compute capability major.minor.
+
+        A cubin runs on its own major version at the same or a later minor; an
+        arch-specific target (``sm_90a``) runs only on exactly its device.
+        """
+        if self.name.endswith("a"):
+            return (major, minor) == divmod(self.sm, 10)
+        return major == self.sm // 10 and minor >= self.sm % 10
+
     def as_names(self) -> dict[str, int]:
         """The names a search-space constraint may use for this target."""
         return {

@@ -134,18 +134,83 @@ def cmd_show(args: argparse.Namespace) -> int:
 # ---- GPU commands -------------------------------------------------------------------------
 
 def cmd_search(args: argparse.Namespace) -> int:
+    import signal
+
+    from evoengine.search import (
+        EvaluatorError,
+        SearchConfig,
+        SearchError,
+        default_study,
+        elite_table,
+        search,
+    )
     from evoengine.workload import Workload
 
-    Workload.parse(args.shape, kv_heads=args.kv_heads, seq_k=args.seq_k, causal=args.causal,
-                   dtype=args.dtype)  # reject a bad workload before looking for a GPU
-    _gpu_or_fail("search")
-    raise UsageError("search on the GPU is not built yet (open issue #3); the pipeline's "
-                     "stages are usable from Python, see README.md")
+    workload = Workload.parse(args.shape, kv_heads=args.kv_heads, seq_k=args.seq_k,
+                              causal=args.causal, dtype=args.dtype)
+    spaces = _spaces(args.space)  # reject a bad workload or space before looking for a GPU
+    arch = get_arch(args.arch) if args.arch else None
+    if args.trials is not None and args.trials < 1:
+        raise UsageError(f"--trials must be at least 1, got {args.trials}")
+    _cuda_or_fail("search")
+    trials = args.trials if args.trials is not None or args.timeout is not None else 100
+    config = SearchConfig(workload=workload, spaces=spaces, arch=arch, store=args.store,
+                          study=args.study, strategy=args.sampler, trials=trials,
+                          timeout_s=args.timeout, seed=args.seed, compile_workers=args.workers,
+                          eval_timeout_s=args.eval_timeout, device=args.device)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        budget = f"{trials} trials" if trials else f"{args.timeout:.0f} s"
+        study = args.study or (default_study(arch, workload) if arch else "(named by device)")
+        print(f"searching {workload.key()} on {arch.name if arch else 'this GPU'}, study "
+              f"{study}, {budget}", file=sys.stderr)
+        result = search(config)
+    except (SearchError, EvaluatorError) as e:
+        raise UsageError(str(e)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    t = result.tally
+    print(elite_table(result.rows))
+    rate = t.evals_per_minute()
+    print(f"\nstudy {result.study}, run {result.run_id} ({result.status}"
+          f"{': ' + result.stopped_because if result.stopped_because else ''}): "
+          f"{t.evaluated} evaluated, {t.valid} valid, {t.compile_failed} compile errors, "
+          f"{t.faults} faults; {t.cold_compiles} compiled, {t.cached_compiles} from cache"
+          + (f"; {rate:.0f} evals/min" if rate else ""), file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.evidence(), indent=1) + "\n")
+    return 130 if result.status == "interrupted" else 0
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _cuda_or_fail(command: str) -> None:
+    """Whether torch sees a CUDA GPU, without creating a context in this process."""
+    try:
+        import torch
+    except ImportError:
+        raise UsageError(f"{command} needs a CUDA GPU: torch is not installed") from None
+    if not torch.cuda.is_available():
+        raise UsageError(f"{command} needs a CUDA GPU: no CUDA GPU is visible to torch")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    _gpu_or_fail("export")
-    raise UsageError("export is not built yet (open issue #4)")
+    from evoengine.export import DEFAULT_STORE, export_best
+    from evoengine.runtime import NoGPUError, gpu_arch
+
+    if args.arch is not None:
+        arch = get_arch(args.arch)
+    else:
+        try:
+            arch = gpu_arch()
+        except NoGPUError as e:
+            raise UsageError(f"export needs a CUDA GPU to pick the target ({e}); name one "
+                             "with --arch, e.g. --arch sm_90a: cubins compile offline") from None
+    done = export_best(args.store or DEFAULT_STORE, arch, study=args.study, output=args.output)
+    print(done.summary())
+    return 0
 
 
 # ---- parser -------------------------------------------------------------------------------
@@ -197,23 +262,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--causal", action="store_true", help="causal mask, aligned bottom-right")
     s.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     budget = s.add_mutually_exclusive_group()
-    budget.add_argument("--trials", type=int, help="number of trials")
+    budget.add_argument("--trials", type=int, help="trials to run now (default 100)")
     budget.add_argument("--timeout", type=_duration, help="wall-clock budget (90s, 10m, 2h)")
     s.add_argument("--space", action="append", metavar="FILE", help="search-space file(s)")
     s.add_argument("--store", metavar="URL", help="SQLAlchemy URL (default sqlite:///runs/evoengine.db)")
     s.add_argument("--study", help="study name (default: derived from arch and workload)")
-    s.add_argument("--sampler", choices=["nsga2", "tpe", "random"], default="nsga2")
+    s.add_argument("--sampler", choices=["evo", "nsga2", "tpe", "random"], default="evo",
+                   help="strategy: evo (genetic, default), nsga2, tpe or random")
     s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--workers", type=int, default=None,
+                   help="compiler processes (default: cores - 1)")
+    s.add_argument("--eval-timeout", type=_duration, default=30.0, metavar="SECONDS",
+                   help="a candidate with no answer after this long is a hang (default 30s)")
+    s.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    s.add_argument("--json", metavar="FILE", help="write the results JSON (device, rows...)")
     s.set_defaults(func=cmd_search)
 
     e = sub.add_parser("export", help="write the best kernels as a standalone module",
                        description="Write one self-contained Python module (cupy + torch only) "
                        "holding the elites' sources, cubins and a dispatch table.")
     e.add_argument("which", choices=["best"], help="what to export")
-    e.add_argument("--arch", help="target (default: the GPU present)")
-    e.add_argument("--store", metavar="URL")
-    e.add_argument("--study")
-    e.add_argument("-o", "--output", default="tuned_attention.py")
+    e.add_argument("--arch", help=f"target ({archs}; default: the GPU present)")
+    e.add_argument("--store", metavar="URL",
+                   help="SQLAlchemy URL or SQLite file (default runs/evoengine.db)")
+    e.add_argument("--study", help="only elites found by runs of this study")
+    e.add_argument("-o", "--output", default="tuned_attention.py",
+                   help="the module to write (default tuned_attention.py)")
     e.set_defaults(func=cmd_export)
 
     ls = sub.add_parser("list", help="list runs, candidates or elites in the store")

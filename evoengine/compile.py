@@ -72,7 +72,9 @@ def cuda_include_dirs() -> list[str]:
 
 
 def nvrtc_options(arch: Arch, defines: dict[str, int]) -> list[str]:
-    opts = [f"--gpu-architecture={arch.name}", "-std=c++17", "-Xptxas=-v",
+    # -default-device: NVRTC 13.0 (the GPU box's) treats a lambda in a kernel as a host
+    # function unless told that unannotated functions are device code; 13.5 does not care.
+    opts = [f"--gpu-architecture={arch.name}", "-std=c++17", "-default-device", "-Xptxas=-v",
             "--extra-device-vectorization"]
     opts += [f"-D{k}={v}" for k, v in defines.items()]
     opts += [f"-I{d}" for d in cuda_include_dirs()]
@@ -149,6 +151,13 @@ def compile_candidate(candidate: Candidate, arch: Arch | str) -> CompileResult:
     if result.ok and result.cubin is not None:
         _cache_write(cached, result)
     return result
+
+
+def is_cached(candidate: Candidate, arch: Arch | str) -> bool:
+    """Whether ``compile_candidate`` would serve this candidate from the disk cache."""
+    arch = get_arch(arch) if isinstance(arch, str) else arch
+    path = _cache_path(candidate, arch)
+    return path.is_file() and path.with_suffix(".json").is_file()
 
 
 def _cache_path(candidate: Candidate, arch: Arch) -> Path:

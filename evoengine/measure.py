@@ -11,11 +11,20 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from evoengine.workload import Workload
 
 # Inputs are rotated until the bytes touched exceed this (H100: 50 MB of L2, H200: 60 MB).
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 GRAPH_BELOW_US = 50.0  # calls shorter than this are timed by graph replay
+# A search decides once per workload, so every contender (candidates, SDPA's backends) is
+# timed the same way: graph replay below this many FLOPs (~50 us at 300 TFLOP/s). Deciding
+# per call would time SDPA eagerly (its host overhead alone passes 50 us) and us by graph.
+GRAPH_BELOW_FLOPS = 15e9
 
 
 @dataclass(frozen=True)
@@ -96,3 +105,51 @@ def _time_graph(fn: Callable[[int], None], n_sets: int, reps: int, per_graph: in
 def _summary(samples_us: Sequence[float], graph: bool) -> Timing:
     q = statistics.quantiles(samples_us, n=4) if len(samples_us) >= 4 else [0.0, 0.0, 0.0]
     return Timing(statistics.median(samples_us), q[2] - q[0], len(samples_us), graph)
+
+
+def graph_for(workload: Workload) -> bool:
+    """Whether calls on ``workload`` are timed by CUDA-graph replay."""
+    return workload.flops() < GRAPH_BELOW_FLOPS
+
+
+def workload_inputs(workload: Workload, device: str | int = "cuda",
+                    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Enough (q, k, v, out) sets of random data, [B, H, S, D], to rotate past L2."""
+    import torch
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[workload.dtype]
+    w = workload
+    per_set = 2 * w.batch * w.head_dim * (w.heads * w.seq_q + 2 * w.kv_heads * w.seq_k)  # type: ignore[operator]
+    sets = []
+    for _ in range(copies_needed(per_set)):
+        q = torch.randn(w.batch, w.heads, w.seq_q, w.head_dim, device=device, dtype=dtype)
+        k = torch.randn(w.batch, w.kv_heads, w.seq_k, w.head_dim, device=device, dtype=dtype)  # type: ignore[arg-type]
+        v = torch.randn_like(k)
+        sets.append((q, k, v, torch.empty_like(q)))
+    return sets
+
+
+SDPA_BACKENDS = ("flash", "cudnn")
+
+
+def time_sdpa(workload: Workload, sets: Sequence[tuple[torch.Tensor, ...]], backend: str,
+              **kw: Any) -> Timing | None:
+    """Time torch SDPA restricted to one backend (``flash`` or ``cudnn``) on the sets;
+    None when that backend cannot run the workload here."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    gqa = workload.kv_heads != workload.heads
+    if workload.causal and workload.seq_q != workload.seq_k:
+        return None  # SDPA's is_causal aligns top-left; ours is bottom-right: not comparable
+
+    def call(i: int) -> None:
+        q, k, v = sets[i][:3]
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=workload.causal,
+                                                         enable_gqa=gqa)
+    try:
+        with sdpa_kernel([which]):
+            return time_calls(call, len(sets), **kw)
+    except RuntimeError:
+        return None

@@ -12,6 +12,22 @@ TEMPLATES = ROOT / "templates"
 SPACES = ROOT / "search_spaces"
 
 
+def template_dirs() -> list[Path]:
+    """Where families are looked up: the project's templates, then any folders named in
+    ``EVOENGINE_TEMPLATES`` (os.pathsep-separated), which is how the GPU tests add a family
+    that plants a fault. The first folder holding ``<family>/kernel.cu.j2`` wins."""
+    extra = os.environ.get("EVOENGINE_TEMPLATES", "")
+    return [TEMPLATES, *(Path(p).resolve() for p in extra.split(os.pathsep) if p)]
+
+
+def family_dir(family: str) -> Path | None:
+    """The template folder of ``family``, or None when no template root has it."""
+    for root in template_dirs():
+        if (root / family / "kernel.cu.j2").is_file():
+            return root / family
+    return None
+
+
 def cache_dir() -> Path:
     """The on-disk compile cache, shared by every process of this user."""
     base = os.environ.get("EVOENGINE_CACHE") or os.path.join(

@@ -25,10 +25,14 @@ KERNEL_NAME = "attn_fwd"
 def template_hash(family: str) -> str:
     """Content hash of a family's template folder and the shared includes it uses."""
     h = hashlib.sha256()
-    for folder in (paths.TEMPLATES / "common", paths.TEMPLATES / family):
+    own = paths.family_dir(family)
+    if own is None:
+        raise ValueError(f"no templates for family {family!r} under "
+                         f"{', '.join(map(str, paths.template_dirs()))}")
+    for folder in (paths.TEMPLATES / "common", own):
         for f in sorted(folder.rglob("*")):
             if f.is_file():
-                h.update(f.relative_to(paths.TEMPLATES).as_posix().encode() + b"\0")
+                h.update(f.relative_to(folder.parent).as_posix().encode() + b"\0")
                 h.update(f.read_bytes() + b"\0")
     return h.hexdigest()[:12]
 
@@ -94,12 +98,16 @@ def make_candidate(space: SearchSpace, params: Mapping[str, object],
     return Candidate(space.family, problem, ordered, derived)
 
 
-@functools.cache
 def _environment() -> jinja2.Environment:
+    return _environment_for(tuple(str(d) for d in paths.template_dirs()))
+
+
+@functools.cache
+def _environment_for(roots: tuple[str, ...]) -> jinja2.Environment:
     # Statements are written /*% ... %*/ so that inline PTX operands ("{%0, %1}") and C++
     # brace initialisers never read as Jinja; values stay {{ NAME }}.
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(paths.TEMPLATES)),
+        loader=jinja2.FileSystemLoader(list(roots)),
         block_start_string="/*%",
         block_end_string="%*/",
         comment_start_string="/*#",

@@ -87,9 +87,9 @@ class SearchSpace:
                 raise fail(f"missing {key!r}")
         family = data["family"]
         if (not isinstance(family, str) or not _FAMILY_NAME.fullmatch(family)
-                or not (paths.TEMPLATES / family / "kernel.cu.j2").is_file()):
-            raise fail(f"family {family!r} has no templates/<family>/kernel.cu.j2 under "
-                       f"{paths.TEMPLATES}")
+                or paths.family_dir(family) is None):
+            raise fail(f"family {family!r} has no <family>/kernel.cu.j2 under "
+                       f"{', '.join(map(str, paths.template_dirs()))}")
         if not isinstance(data["archs"], list) or not data["archs"]:
             raise fail("archs must be a non-empty list of target names")
         try:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from evoengine.workload import Workload
+
 ERR_FACTOR = 2.0
 ERR_FLOOR = 1e-5
 LSE_ATOL = 1e-3
@@ -69,21 +71,11 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
          scale: float | None = None) -> torch.Tensor:
-    """torch SDPA in the inputs' dtype, with the same bottom-right causal alignment."""
-    import torch
-    import torch.nn.functional as F
+    """torch SDPA in the inputs' dtype, with the same bottom-right causal alignment (the SDPA
+    fallback of exported modules is this same function)."""
+    from evoengine._standalone import sdpa_attention
 
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    if not causal:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale)
-    if q.shape[2] == k.shape[2]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    mask = causal_mask(q.shape[2], k.shape[2], q.device)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return torch.nan_to_num(out, nan=0.0)  # rows with no key: defined as zero
+    return sdpa_attention(q, k, v, causal=causal, scale=scale)
 
 
 def judge(out: torch.Tensor, ref: torch.Tensor, baseline: torch.Tensor,
@@ -158,3 +150,82 @@ def check(fn: AttentionFn, *, batch: int, heads: int, kv_heads: int, seq_q: int,
     if not verdict.ok:
         return Verdict(False, verdict.max_err, verdict.tolerance, f"{verdict.reason} (seed {seed})")
     return verdict
+
+
+# Checks on the workload's own lengths shrink batch and heads until the float64 reference
+# holds at most this many scores (512 MB for the score matrix).
+MAX_REFERENCE_SCORES = 1 << 26
+TAIL_LENGTH = 509  # prime: no multiple of any tile size
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One shape the criterion is applied on."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_q: int
+    seq_k: int
+    layout: str = "bhsd"
+
+
+def _odd(n: int) -> int:
+    return n - 1 if n > 1 and n % 2 == 0 else n
+
+
+def plan(workload: Workload) -> list[Shape]:
+    """The shapes a candidate must pass for ``workload`` before it is timed.
+
+    1. Tails: lengths cut to at most ``TAIL_LENGTH`` and made odd (so no multiple of any
+       tile), keeping which of Sq, Sk is longer and their difference where it fits, two
+       key/value heads with the workload's query-head group, as strided [B, S, H, D] views.
+    2. The workload's own sequence lengths (tile multiples included, many key blocks),
+       with batch and heads cut until the reference fits ``MAX_REFERENCE_SCORES``.
+    """
+    sq, sk = workload.seq_q, workload.seq_k
+    group = workload.heads // workload.kv_heads  # type: ignore[operator]
+    if sq == sk:
+        tq = tk = _odd(min(sq, TAIL_LENGTH))
+    elif sq < sk:
+        tq = _odd(min(sq, TAIL_LENGTH))
+        tk = _odd(min(sk, tq + sk - sq))
+    else:
+        tk = _odd(min(sk, TAIL_LENGTH))
+        tq = _odd(min(sq, tk + sq - sk))
+    kv = min(workload.kv_heads, 2)  # type: ignore[type-var]
+    shapes = [Shape(min(workload.batch, 2), kv * group, kv, tq, tk, "bshd")]
+    batch, kv = workload.batch, workload.kv_heads
+    while batch * kv * group * sq * sk > MAX_REFERENCE_SCORES and batch > 1:  # type: ignore[operator]
+        batch = (batch + 1) // 2
+    while batch * kv * group * sq * sk > MAX_REFERENCE_SCORES and kv > 1:  # type: ignore[operator]
+        kv = (kv + 1) // 2  # type: ignore[operator]
+    if kv * group * sq * sk > MAX_REFERENCE_SCORES:  # type: ignore[operator]
+        group = 1
+    while sq * sk > MAX_REFERENCE_SCORES:  # keep the longer side, cut the other
+        sq, sk = (sq // 2, sk) if sq >= sk else (sq, sk // 2)
+    if (sq, sk) != (tq, tk):
+        shapes.append(Shape(batch, kv * group, kv, sq, sk))  # type: ignore[operator]
+    return shapes
+
+
+def check_workload(fn: AttentionFn, workload: Workload, *, scale: float | None = None,
+                   device: str = "cuda") -> Verdict:
+    """Apply the criterion on every shape of ``plan(workload)``, each on fresh inputs; the
+    first failure, or a pass carrying the largest error seen."""
+    import torch
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[workload.dtype]
+    worst = Verdict(True, 0.0, 0.0)
+    for shape in plan(workload):
+        verdict = check(fn, batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads,
+                        seq_q=shape.seq_q, seq_k=shape.seq_k, head_dim=workload.head_dim,
+                        causal=workload.causal, dtype=dtype, scale=scale, layout=shape.layout,
+                        device=device)
+        if not verdict.ok:
+            where = f"B{shape.batch} H{shape.heads}/{shape.kv_heads} {shape.seq_q}x{shape.seq_k}"
+            return Verdict(False, verdict.max_err, verdict.tolerance,
+                           f"{verdict.reason} at {where}")
+        if verdict.max_err >= worst.max_err:
+            worst = verdict
+    return worst

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, fields
 
 DTYPES = ("fp16", "bf16")
+_KEY = re.compile(r"b(\d+)-h(\d+)-kv(\d+)-sq(\d+)-sk(\d+)-d(\d+)-(causal|full)-(\w+)")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,23 @@ class Workload:
         except ValueError:
             raise ValueError(f"shape must be B,H,S,D (four integers), got {shape!r}") from None
         return cls(batch=b, heads=h, seq_q=s, head_dim=d, **kw)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_key(cls, key: str) -> Workload:
+        """The workload that ``key()`` names."""
+        m = _KEY.fullmatch(key)
+        if m is None:
+            raise ValueError(f"not a workload key: {key!r} (expected b1-h8-kv8-sq512-sk512-d64-"
+                             "full-fp16)")
+        b, h, kv, sq, sk, d = (int(x) for x in m.groups()[:6])
+        return cls(batch=b, heads=h, kv_heads=kv, seq_q=sq, seq_k=sk, head_dim=d,
+                   causal=m.group(7) == "causal", dtype=m.group(8))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> Workload:
+        """The workload ``to_dict()`` wrote; other keys are ignored."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})  # type: ignore[arg-type]
 
     def problem(self) -> dict[str, object]:
         """The dimensions compiled into a kernel: results across them are incomparable."""

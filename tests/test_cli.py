@@ -93,6 +93,48 @@ def test_gpu_commands_say_they_need_a_gpu(args: tuple[str, ...]) -> None:
     assert "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.skipif(not no_gpu(), reason="checks the message shown where no GPU is")
+def test_export_without_a_gpu_asks_for_an_arch() -> None:
+    done = run("export", "best")
+    assert done.returncode == 2 and "--arch" in done.stderr and "compile offline" in done.stderr
+
+
+def test_export_best_for_an_explicit_arch_needs_no_gpu(tmp_path: Path) -> None:
+    from evoengine import paths
+    from evoengine.arch import get_arch
+    from evoengine.render import make_candidate, render
+    from evoengine.space import SearchSpace
+    from evoengine.workload import Workload
+
+    arch = get_arch("sm_89")
+    space = SearchSpace.load(paths.SPACES / "mma.toml")
+    w = Workload(1, 8, 512, 64, causal=True)
+    cand = make_candidate(space, space.admitted(w.problem(), arch)[0], w.problem(), arch)
+    db = tmp_path / "e.db"
+    with Store(f"sqlite:///{db}") as store:
+        run_id = store.start_run(arch="sm_89", workload=w.to_dict(), workload_key=w.key(),
+                                 study="s")
+        store.add_candidate(identity=cand.identity, family="mma", template_hash="t",
+                            params=cand.params, problem=cand.problem, source=render(cand))
+        store.set_elites(arch="sm_89", workload_key=w.key(), entries=[(cand.identity, 9.5)],
+                         run_id=run_id)
+    out = tmp_path / "tuned.py"
+    env = {"EVOENGINE_CACHE": str(tmp_path / "cache")}
+    done = run("export", "best", "--arch", "sm_89", "--store", str(db), "-o", str(out), env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote {out}: 1 kernel for sm_89, 1 dispatch entry")
+    assert "fp16 head_dim 64 causal at sk 512" in done.stdout
+    assert out.read_text().startswith('"""Tuned attention kernels for sm_89')
+    for args, message in [(("--study", "other"), "no elites for sm_89 from study 'other'"),
+                          (("--arch", "sm_80"), "no elites for sm_80; it has elites for sm_89"),
+                          (("--store", str(tmp_path / "none.db")), "no store at")]:
+        base = {"--arch": "sm_89", "--store": str(db), "-o": str(tmp_path / "x.py")}
+        base.update(dict(zip(args[::2], args[1::2], strict=True)))
+        failed = run("export", "best", *[x for kv in base.items() for x in kv], env=env)
+        assert failed.returncode == 2 and message in failed.stderr, failed.stderr
+        assert "Traceback" not in failed.stderr
+
+
 def test_python_m_matches_the_script() -> None:
     script = Path(sys.executable).with_name("evoengine")
     if not script.exists():

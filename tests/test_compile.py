@@ -33,7 +33,8 @@ ARCHS = ("sm_80", "sm_89", "sm_90a")
 ELF_MAGIC = b"\x7fELF"
 EM_CUDA = 190
 SMALL = {
-    "mma": dict(BLOCK_M=64, BLOCK_N=32, NUM_WARPS=4, STAGES=1, SWIZZLE="none", Q_IN_REGS=True),
+    "mma": dict(BLOCK_M=64, BLOCK_N=32, NUM_WARPS=4, STAGES=1, SWIZZLE="none", Q_IN_REGS=True,
+                LAZY_RESCALE=False, MIN_BLOCKS=1, PIPELINE="split"),
     "wmma": dict(BLOCK_M=32, BLOCK_N=32, NUM_WARPS=2, STAGES=1, SWIZZLE="none", Q_IN_REGS=True),
 }
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}

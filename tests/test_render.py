@@ -19,7 +19,8 @@ from evoengine.space import SearchSpace
 # attribute of the package, so ``from evoengine import render`` would give the function.
 render = importlib.import_module("evoengine.render")
 
-MMA_POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True)
+MMA_POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True,
+                 LAZY_RESCALE=False, MIN_BLOCKS=1, PIPELINE="split")
 WMMA_POINT = dict(BLOCK_M=32, BLOCK_N=32, NUM_WARPS=2, STAGES=3, SWIZZLE="none", Q_IN_REGS=False)
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
@@ -32,7 +33,7 @@ def space(family: str) -> SearchSpace:
 
 def clear_caches() -> None:
     render.template_hash.cache_clear()
-    render._environment.cache_clear()
+    render._environment_for.cache_clear()
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +76,7 @@ def test_identity_is_exact_and_ordered() -> None:
     c = make_candidate(space("mma"), MMA_POINT, HD64, SM80)
     assert c.identity == (
         "mma-head_dim64-dtypefp16-causal0-block_m64-block_n64-num_warps4-stages2-swizzlexor"
-        f"-q_in_regs1-{template_hash('mma')}"
+        f"-q_in_regs1-lazy_rescale0-min_blocks1-pipelinesplit-{template_hash('mma')}"
     )
     assert c.template_hash == template_hash("mma")
 

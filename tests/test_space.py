@@ -14,12 +14,15 @@ from evoengine.space import SearchSpace, SpaceError, default_spaces, sample
 
 FAMILIES = ("mma", "wmma")
 PARAM_ORDER = ["BLOCK_M", "BLOCK_N", "NUM_WARPS", "STAGES", "SWIZZLE", "Q_IN_REGS"]
+# Parameters of one family only, after the shared ones.
+FAMILY_PARAMS = {"mma": ["LAZY_RESCALE", "MIN_BLOCKS", "PIPELINE"], "wmma": []}
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 
 # A point each shipped space admits on every target (checked below).
 BASE_POINT = {
-    "mma": dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True),
+    "mma": dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True,
+                LAZY_RESCALE=False, MIN_BLOCKS=1, PIPELINE="split"),
     "wmma": dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=1, SWIZZLE="pad", Q_IN_REGS=False),
 }
 
@@ -52,7 +55,7 @@ def test_shipped_spaces_load() -> None:
         assert all(c.why for c in s.constraints)
         if s.family in FAMILIES:  # wgmma is Hopper-only, with its own parameters
             assert {"sm_80", "sm_89", "sm_90a"} <= set(s.archs)
-            assert list(s.parameters) == PARAM_ORDER
+            assert list(s.parameters) == PARAM_ORDER + FAMILY_PARAMS[s.family]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -66,7 +69,7 @@ def test_grid_size_and_order(family: str) -> None:
     assert len({tuple(p.values()) for p in grid}) == expected
     assert grid[0] == {k: v[0] for k, v in space.parameters.items()}
     assert grid[-1] == {k: v[-1] for k, v in space.parameters.items()}
-    assert list(grid[0]) == PARAM_ORDER
+    assert list(grid[0]) == PARAM_ORDER + FAMILY_PARAMS[family]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -96,6 +99,9 @@ def test_derived_values_match_hand_computation() -> None:
     assert env["KV_RING_BYTES"] == 2 * 2 * 64 * 128
     assert env["SMEM_BYTES"] == 32768  # max(Q, ring): Q lives in registers
     assert env["LIVE_REGS"] == 16 * (64 + 64) // 32 + 16 * 64 // 64
+    assert env["REG_CAP"] == 255
+    assert space.env({**BASE_POINT["mma"], "NUM_WARPS": 8, "BLOCK_M": 128, "MIN_BLOCKS": 2},
+                     HD64, arch)["REG_CAP"] == 128
     assert env["SMEM_LIMIT"] == 163 * 1024
     env_q_in_smem = space.env({**BASE_POINT["mma"], "Q_IN_REGS": False}, HD64, arch)
     assert env_q_in_smem["SMEM_BYTES"] == 8192 + 32768
@@ -136,6 +142,14 @@ CONSTRAINT_CASES = [
     ("mma", "LIVE_REGS <= 160",
      dict(BLOCK_M=128, NUM_WARPS=4, BLOCK_N=64, STAGES=1, SWIZZLE="none", Q_IN_REGS=True),
      HD128, "sm_80", {}),
+    # 4 warps: 65536 / (2 * 128) registers is no cap below 255.
+    ("mma", "MIN_BLOCKS == 1 or REG_CAP < 255", {"MIN_BLOCKS": 2}, HD64, "sm_80", {}),
+    # 8 warps, 2 blocks: 128 registers, too few for 16 rows x (128 + 128) accumulators.
+    ("mma", "MIN_BLOCKS == 1 or LIVE_REGS + HEAD_DIM // 2 + 24 <= REG_CAP",
+     dict(BLOCK_M=128, NUM_WARPS=8, BLOCK_N=128, Q_IN_REGS=False, MIN_BLOCKS=2), HD128,
+     "sm_80", {}),
+    ("mma", "PIPELINE == 'split' or STAGES >= 2", {"PIPELINE": "joint", "STAGES": 1}, HD64,
+     "sm_80", {}),
     ("wmma", "HEAD_DIM % 16 == 0 and 16 <= HEAD_DIM <= 256", {}, {**HD64, "HEAD_DIM": 72},
      "sm_80", {}),
     ("wmma", "WARP_M == 16", {"BLOCK_M": 64, "NUM_WARPS": 2}, HD64, "sm_80", {}),

@@ -217,6 +217,24 @@ def test_measured_identities(store: Store) -> None:
     assert store.measured_identities(arch="sm_89", workload_key="w1") == set()
 
 
+def test_ranked_takes_each_candidates_fastest_valid_median(store: Store) -> None:
+    for identity in "abcde":
+        add(store, identity)
+    run = start(store, arch="sm_90a", workload_key="w1")
+    again = start(store, arch="sm_90a", workload_key="w1")
+    other = start(store, arch="sm_90a", workload_key="w2")
+    store.add_measurement(run, "a", ok=True, median_us=5.0)
+    store.add_measurement(again, "a", ok=True, median_us=4.0)
+    store.add_measurement(run, "b", ok=True, median_us=4.5)
+    store.add_measurement(run, "c", ok=False, reason="wrong answer", median_us=1.0)
+    store.add_measurement(run, "d", ok=False, reason="fault")
+    store.add_measurement(other, "e", ok=True, median_us=0.5)
+
+    assert store.ranked(arch="sm_90a", workload_key="w1") == [("a", 4.0), ("b", 4.5)]
+    assert store.ranked(arch="sm_90a", workload_key="w1", limit=1) == [("a", 4.0)]
+    assert store.ranked(arch="sm_80", workload_key="w1") == []
+
+
 def test_elites_are_ranked_in_given_order_and_replaced(store: Store) -> None:
     for identity in "abcd":
         add(store, identity)

@@ -9,6 +9,7 @@ import torch
 
 from evoengine import validate
 from evoengine.validate import Verdict, causal_mask, judge, reference, sdpa
+from evoengine.workload import Workload
 
 NEG_INF = float("-inf")
 
@@ -369,3 +370,31 @@ def test_check_fails_a_wrong_kernel_and_names_the_seed(monkeypatch: pytest.Monke
     verdict = validate.check(unwritten_lse, **CHECK)  # type: ignore[arg-type]
     assert not verdict.ok and "NaN" in verdict.reason
     assert validate.check(unwritten_lse, with_lse=False, **CHECK).ok  # type: ignore[arg-type]
+
+
+# ---- the validation plan ------------------------------------------------------------------
+
+PLAN_WORKLOADS = [
+    Workload(16, 16, 2048, 64), Workload(8, 16, 4096, 128, causal=True),
+    Workload(1, 8, 512, 64), Workload(2, 32, 8192, 128),
+    Workload(1, 32, 1, 128, kv_heads=8, seq_k=4096), Workload(4, 8, 4096, 64, seq_k=100),
+    Workload(1, 1, 7, 64), Workload(3, 6, 1000, 64, kv_heads=2, seq_k=3000),
+]
+
+
+@pytest.mark.parametrize("w", PLAN_WORKLOADS, ids=lambda w: w.key())
+def test_plan_has_a_tail_check_and_fits_the_reference(w: Workload) -> None:
+    shapes = validate.plan(w)
+    tail = shapes[0]
+    # No multiple of any tile (>= 2) unless the workload's own length is 1.
+    for n, own in ((tail.seq_q, w.seq_q), (tail.seq_k, w.seq_k)):
+        assert n % 2 == 1 or own == 1 == n
+    assert (tail.seq_q < tail.seq_k) == (w.seq_q < w.seq_k)
+    assert (tail.seq_q == tail.seq_k) == (w.seq_q == w.seq_k)
+    assert tail.layout == "bshd"
+    for s in shapes:
+        assert s.heads % s.kv_heads == 0
+        assert s.batch * s.heads * s.seq_q * s.seq_k <= validate.MAX_REFERENCE_SCORES
+    if (w.seq_q, w.seq_k) != (tail.seq_q, tail.seq_k):
+        assert len(shapes) == 2 and shapes[1].seq_q * shapes[1].seq_k > 0
+        assert shapes[1].heads // shapes[1].kv_heads in (1, w.heads // w.kv_heads)

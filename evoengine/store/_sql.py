@@ -464,6 +464,24 @@ class Store:
         with self._session() as session:
             return set(session.scalars(query))
 
+    def ranked(self, *, arch: str, workload_key: str,
+               limit: int | None = None) -> list[tuple[str, float]]:
+        """``(identity, median_us)`` of every candidate with a valid measurement in runs on
+        this target, fastest first, each at its fastest valid median."""
+        best = sa.func.min(Measurement.median_us)
+        query = (
+            sa.select(Candidate.identity, best)
+            .join(Measurement, Measurement.candidate_id == Candidate.id)
+            .join(Run, Measurement.run_id == Run.id)
+            .where(Run.arch == arch, Run.workload_key == workload_key,
+                   Measurement.ok.is_(True), Measurement.median_us.is_not(None))
+            .group_by(Candidate.identity)
+            .order_by(best, Candidate.identity)
+            .limit(limit)
+        )
+        with self._session() as session:
+            return [(identity, float(us)) for identity, us in session.execute(query)]
+
     # Elites
 
     def set_elites(

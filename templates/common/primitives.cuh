@@ -84,16 +84,26 @@ struct SmemTile {
   // The byte address of (row + dr, col + dc) from the shared-memory byte address of (row, col),
   // with dr a multiple of 8 and dc a multiple of 16 (so the lane's own chunk bits and the
   // step's bits never overlap). Once loops are unrolled dr and dc are constants and a step
-  // is an immediate add or xor, so no per-step address is kept in a register. Needs the tile
-  // to start on a 128-byte boundary.
+  // is an xor and an immediate add, so no per-step address is kept in a register. The xor
+  // comes first: it touches only the bits below GROUP * 16 bytes and the add only those above
+  // (rows are whole swizzle groups), so every step with the same column chunk shares one xor
+  // and the row steps fold into the load's immediate offset. Needs the tile to start on a
+  // 128-byte boundary.
   __device__ static __forceinline__ u32 step(u32 addr, int dr, int dc) {
     const int dchunk = dc >> 3;
     if constexpr (GROUP > 1) {
-      return ((addr + dr * ROW_BYTES) ^ ((dchunk % GROUP) * 16)) + (dchunk / GROUP) * GROUP * 16;
+      static_assert(ROW_BYTES % (GROUP * 16) == 0, "a row is whole swizzle groups");
+      return (addr ^ ((dchunk % GROUP) * 16)) + dr * ROW_BYTES + (dchunk / GROUP) * GROUP * 16;
     } else {
       return addr + dr * ROW_BYTES + dchunk * 16;
     }
   }
+};
+
+// A compile-time bool as a value, to pick a variant of a generic lambda's body.
+template <bool B>
+struct Bool {
+  static constexpr bool value = B;
 };
 
 // All THREADS threads copy rows [0, ROWS) of a global tile into `tile`; rows at or past
@@ -131,3 +141,73 @@ __device__ __forceinline__ void load_tile_async(elem_t* tile, const elem_t* src,
     }
   }
 }
+
+// Streams consecutive ROWS-row tiles of a row-major global matrix (K or V) into shared-memory
+// tiles, one tile per load(). Each thread copies the same (row, chunk) slots of every tile, so
+// its global pointer and shared offset are computed once and a load is a pointer bump plus
+// immediate offsets. Rows at or past `rows_valid` become zeros; only a tile that has such rows
+// (the key tail) pays for the per-row checks.
+template <class Tile, int ROWS, int THREADS>
+struct TileStream {
+  static constexpr bool ONE_COLUMN = THREADS % Tile::CHUNKS == 0;  // each thread keeps a column
+  static constexpr int ROW_STEP = ONE_COLUMN ? THREADS / Tile::CHUNKS : 1;
+  // Row steps that keep the swizzle phase reach the next slot with an immediate offset.
+  static constexpr bool IMMEDIATE = ROW_STEP % Tile::GROUP == 0;
+
+  const elem_t* next;  // ONE_COLUMN: this thread's first chunk of the next tile; else its row 0
+  long long stride;    // elements between rows
+  int first;           // ONE_COLUMN: this thread's first row of a tile; else its thread index
+  u32 dst;             // ONE_COLUMN: byte offset of that row's chunk in the shared tile
+
+  __device__ __forceinline__ TileStream(const elem_t* src, long long row_stride, int tid)
+      : next(src), stride(row_stride), first(tid), dst(0) {
+    if constexpr (ONE_COLUMN) {
+      first = tid / Tile::CHUNKS;
+      const int col = (tid % Tile::CHUNKS) * 8;
+      next += first * row_stride + col;
+      dst = Tile::offset(first, col) * 2;
+    }
+  }
+
+  // Copies the next tile to the shared tile at byte address `tile`, then moves on by ROWS rows.
+  __device__ __forceinline__ void load(u32 tile, int rows_valid) {
+    if (rows_valid >= ROWS) {
+      copy<false>(tile, rows_valid);
+    } else {
+      copy<true>(tile, rows_valid);
+    }
+    next += ROWS * stride;
+  }
+
+ private:
+  template <bool BOUNDED>
+  __device__ __forceinline__ void copy(u32 tile, int rows_valid) {
+    if constexpr (ONE_COLUMN) {
+      const elem_t* from = next;
+      const elem_t* safe = next - first * stride;  // the tile's first row: always a real row
+#pragma unroll
+      for (int i = 0; i < (ROWS + ROW_STEP - 1) / ROW_STEP; ++i) {
+        const int row = first + i * ROW_STEP;
+        if (ROWS % ROW_STEP == 0 || row < ROWS) {
+          const u32 to = IMMEDIATE ? tile + dst + i * ROW_STEP * Tile::ROW_BYTES
+                                   : tile + Tile::offset(row, (threadIdx.x % Tile::CHUNKS) * 8) * 2;
+          const bool valid = !BOUNDED || row < rows_valid;
+          cp_async_16(to, valid ? from : safe, valid);
+        }
+        from += ROW_STEP * stride;
+      }
+    } else {
+      constexpr int CHUNKS = ROWS * Tile::CHUNKS;
+#pragma unroll
+      for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i) {
+        const int c = first + i * THREADS;
+        if (CHUNKS % THREADS == 0 || c < CHUNKS) {
+          const int row = c / Tile::CHUNKS, col = (c % Tile::CHUNKS) * 8;
+          const bool valid = !BOUNDED || row < rows_valid;
+          cp_async_16(tile + Tile::offset(row, col) * 2, valid ? next + row * stride + col : next,
+                      valid);
+        }
+      }
+    }
+  }
+};

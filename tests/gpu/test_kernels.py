@@ -20,12 +20,17 @@ from evoengine.runtime import Kernel, gpu_arch
 from evoengine.space import SearchSpace
 
 # Hand-picked points spanning each family's parameters (stages, swizzle, Q placement,
-# one or two m16 tiles per warp).
+# one or two m16 tiles per warp, lazy rescale, a register cap, both K/V pipelines).
 CONFIGS = {
     "mma": [
-        dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True),
-        dict(BLOCK_M=128, BLOCK_N=32, NUM_WARPS=4, STAGES=3, SWIZZLE="pad", Q_IN_REGS=False),
-        dict(BLOCK_M=128, BLOCK_N=64, NUM_WARPS=8, STAGES=1, SWIZZLE="none", Q_IN_REGS=False),
+        dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True,
+             LAZY_RESCALE=False, MIN_BLOCKS=1, PIPELINE="joint"),
+        dict(BLOCK_M=128, BLOCK_N=32, NUM_WARPS=4, STAGES=3, SWIZZLE="pad", Q_IN_REGS=False,
+             LAZY_RESCALE=True, MIN_BLOCKS=1, PIPELINE="split"),
+        dict(BLOCK_M=128, BLOCK_N=64, NUM_WARPS=8, STAGES=1, SWIZZLE="none", Q_IN_REGS=False,
+             LAZY_RESCALE=True, MIN_BLOCKS=1, PIPELINE="split"),
+        dict(BLOCK_M=64, BLOCK_N=32, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=False,
+             LAZY_RESCALE=False, MIN_BLOCKS=3, PIPELINE="split"),
     ],
     "wmma": [
         dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="pad", Q_IN_REGS=False),
@@ -126,9 +131,31 @@ def test_matches_reference(family: str, idx: int, problem: dict, shape: tuple) -
 def test_softmax_scale(family: str) -> None:
     need_family(family)
     (kernel,) = build([make_candidate(space(family), CONFIGS[family][0], PROBLEMS[1], gpu_arch())])
-    for scale in (0.02, 0.5):
+    for scale in (0.02, 0.5, -0.1, 0.0):  # negative and zero take their own paths
         verdict = run_check(kernel, (1, 4, 2, 190, 250, "bhsd"), scale=scale)
-        assert verdict.ok, verdict.reason
+        assert verdict.ok, f"scale {scale}: {verdict.reason}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_max_growing_along_the_keys(causal: bool) -> None:
+    """Scores that rise block after block make a lazy rescale actually rescale."""
+    cfgs = [c for c in CONFIGS["mma"] if c.get("LAZY_RESCALE")]
+    assert cfgs, "no lazy-rescale config in the GPU suite"
+    problem = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=causal)
+    (kernel,) = build([make_candidate(space("mma"), cfgs[0], problem, gpu_arch())])
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    sq, sk = 150, 700
+    q = torch.randn(1, 2, sq, 64, generator=gen, device="cuda").abs().half()
+    ramp = torch.linspace(0, 3, sk, device="cuda")[None, None, :, None]
+    k = (torch.rand(1, 2, sk, 64, generator=gen, device="cuda") * ramp).half()
+    v = torch.randn(1, 2, sk, 64, generator=gen, device="cuda").half()
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((1, 2, sq), float("nan"), device="cuda")
+    kernel(q, k, v, out=out, lse=lse)
+    torch.cuda.synchronize()
+    ref, ref_lse = validate.reference(q, k, v, causal=causal)
+    verdict = validate.judge(out, ref, validate.sdpa(q, k, v, causal=causal), lse, ref_lse)
+    assert verdict.ok, verdict.reason
 
 
 @pytest.mark.parametrize("family", CONFIGS)
@@ -197,11 +224,3 @@ def test_wgmma_more_tiles_than_sms(idx: int) -> None:
             verdict = run_check(kernel, shape)
             assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
 
-
-def test_wgmma_refuses_a_scale_it_cannot_take() -> None:
-    need_family("wgmma")
-    (kernel,) = build([make_candidate(space("wgmma"), CONFIGS["wgmma"][0], PROBLEMS[0],
-                                      gpu_arch())])
-    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16)
-    with pytest.raises(ValueError, match="positive softmax scale"):
-        kernel(q, q, q, scale=-0.1)

@@ -1,0 +1,356 @@
+"""Ship the winners: the store's best kernels as one standalone module, or loaded in-process.
+
+``export_best`` writes a Python module that needs only torch and cupy: the launcher
+(``_standalone.py``, verbatim), and for each rank-1 elite of the target its rendered CUDA
+source, its cubin for that target, their sha256, its parameters and the workload it won,
+plus a dispatch table over them. ``load`` builds the same callable straight from the store.
+Compiling needs no GPU, so a module for any target can be exported anywhere.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import hashlib
+import json
+import os
+import pprint
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from evoengine import __version__, paths
+from evoengine._standalone import (
+    Entry,
+    TunedAttention,
+    describe,
+    dispatch_table,
+    kernel_from_spec,
+    pack_cubin,
+    sha256,
+)
+from evoengine.arch import Arch, get_arch
+from evoengine.compile import compile_many, compile_source, nvrtc_version
+from evoengine.render import make_candidate, render
+from evoengine.space import SearchSpace
+from evoengine.store import CandidateRecord, EliteRecord, RunRecord, Store
+from evoengine.workload import Workload
+
+LAUNCHER = Path(__file__).with_name("_standalone.py")
+DEFAULT_STORE = "runs/evoengine.db"
+
+
+class ExportError(ValueError):
+    """Nothing to export, or an elite that cannot be built; the message says which."""
+
+
+def store_url(store: str | os.PathLike[str]) -> str:
+    """A SQLAlchemy URL from a URL or a path to an existing SQLite file."""
+    text = os.fspath(store)
+    if "://" in text:
+        return text
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"no store at {path}; run `evoengine search` first or pass "
+                                "--store")
+    return f"sqlite:///{path.resolve()}"
+
+
+def _shown(store: Store) -> str:
+    """The store's URL as shown to people: without its password."""
+    return sa.make_url(store.url).render_as_string(hide_password=True)
+
+
+@dataclass(frozen=True)
+class Winner:
+    """A rank-1 elite with what it was measured on."""
+
+    elite: EliteRecord
+    candidate: CandidateRecord
+    workload: Workload
+    run: RunRecord | None
+
+
+def _workload_of(elite: EliteRecord, run: RunRecord | None) -> Workload:
+    """What the elite was measured on: its run's workload, else what its key says."""
+    if run is not None:
+        try:
+            return Workload.from_dict(run.workload)
+        except (TypeError, ValueError):
+            pass
+    try:
+        return Workload.from_key(elite.workload_key)
+    except ValueError as e:
+        raise ExportError(f"elite {elite.identity}: cannot tell its workload ({e})") from None
+
+
+def winners(store: Store, arch: Arch, study: str | None = None) -> list[Winner]:
+    """The rank-1 elite of every workload on ``arch``, of runs of ``study`` if given."""
+    found = []
+    runs: dict[int, RunRecord | None] = {}
+    for elite in store.elites(arch=arch.name):
+        if elite.rank != 1:
+            continue
+        run = None
+        if elite.run_id is not None:
+            if elite.run_id not in runs:
+                runs[elite.run_id] = store.run(elite.run_id)
+            run = runs[elite.run_id]
+        if study is not None and (run is None or run.study != study):
+            continue
+        candidate = store.candidate(elite.identity)
+        if candidate is None:  # the foreign key makes this impossible; say so if it happens
+            raise ExportError(f"elite {elite.identity} has no candidate row in {_shown(store)}")
+        workload = _workload_of(elite, run)
+        if workload.problem() != candidate.problem:
+            raise ExportError(f"elite {elite.identity} won {elite.workload_key}, whose problem "
+                              f"{workload.problem()} is not the kernel's {candidate.problem}")
+        found.append(Winner(elite, candidate, workload, run))
+    if not found:
+        have = sorted({e.arch for e in store.elites()})
+        studies = sorted({r.study for r in store.runs() if r.study and r.arch == arch.name})
+        what = f"{arch.name}" + (f" from study {study!r}" if study is not None else "")
+        raise ExportError(f"the store has no elites for {what}; it has elites for "
+                          f"{', '.join(have) or 'no arch'}"
+                          + (f" (studies on {arch.name}: {', '.join(studies)})" if studies
+                             else ""))
+    return found
+
+
+def kernel_specs(found: list[Winner], arch: Arch) -> tuple[list[dict[str, Any]], list[Entry]]:
+    """Compile each distinct winner for ``arch``; its spec (source, cubin, hashes, launch
+    geometry) and one dispatch entry per workload it won."""
+    identities = list(dict.fromkeys(w.elite.identity for w in found))
+    records = {w.elite.identity: w.candidate for w in found}
+    spaces: dict[str, SearchSpace] = {}
+    cands = []
+    for identity in identities:
+        rec = records[identity]
+        if rec.family not in spaces:
+            try:
+                spaces[rec.family] = SearchSpace.load(paths.SPACES / f"{rec.family}.toml")
+            except ValueError as e:
+                raise ExportError(f"elite {identity}: {e}") from None
+        try:
+            cands.append(make_candidate(spaces[rec.family], rec.params, rec.problem, arch))
+        except ValueError as e:
+            raise ExportError(f"elite {identity} is not admitted for {arch.name}: {e}") from None
+    # Elites rendered from today's templates come from the compile cache; an elite from an
+    # older template is built from the source stored with it, which is what was measured.
+    current = [c for c in cands if c.identity in records]
+    compiled = dict(zip((c.identity for c in current), compile_many(current, arch),
+                        strict=True))
+    specs = []
+    for identity, cand in zip(identities, cands, strict=True):
+        if identity in compiled:
+            source, result = render(cand), compiled[identity]
+        else:
+            source = records[identity].source
+            result = compile_source(source, arch, cand.defines(arch), identity=identity,
+                                    smem_bytes=cand.smem_bytes)
+        if not result.ok or result.cubin is None:
+            raise ExportError(f"elite {identity} does not compile for {arch.name}: "
+                              f"{result.error}")
+        specs.append({
+            "name": identity, "family": cand.family, "problem": dict(cand.problem),
+            "params": dict(cand.params), "block_m": cand.block_m, "threads": cand.threads,
+            "smem_bytes": cand.smem_bytes, "defines": cand.defines(arch),
+            "registers": result.registers, "spill_bytes": result.spill_bytes,
+            "source": source, "source_sha256": sha256(source),
+            "cubin": result.cubin, "cubin_sha256": sha256(result.cubin),
+        })
+    index = {identity: i for i, identity in enumerate(identities)}
+    entries = [
+        Entry(kernel=index[w.elite.identity], dtype=w.workload.dtype,
+              head_dim=w.workload.head_dim, causal=w.workload.causal,
+              seq_q=w.workload.seq_q, seq_k=w.workload.seq_k,  # type: ignore[arg-type]
+              batch=w.workload.batch, heads=w.workload.heads, median_us=w.elite.median_us,
+              workload=w.elite.workload_key)
+        for w in found
+    ]
+    return specs, [e for group in dispatch_table(entries).values() for e in group]
+
+
+def namespace_of(specs: list[dict[str, Any]], entries: list[Entry], prefix: str) -> str:
+    """A torch.library namespace named after what the module holds."""
+    h = hashlib.sha256()
+    for spec in specs:
+        h.update(f"{spec['name']}:{spec['source_sha256']}:{spec['cubin_sha256']}\n".encode())
+    for e in entries:
+        h.update(json.dumps(asdict(e), sort_keys=True).encode())
+    return f"{prefix}_{h.hexdigest()[:12]}"
+
+
+def project_commit() -> str | None:
+    """The git commit of this evoengine checkout, with ``-dirty`` for uncommitted changes."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"],
+                              cwd=paths.ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+def provenance(store: Store, arch: Arch, study: str | None,
+               found: list[Winner]) -> dict[str, Any]:
+    runs = {w.run.id: w.run for w in found if w.run is not None}
+    return {
+        "exporter": f"evoengine {__version__}",
+        "commit": project_commit(),
+        "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "store": _shown(store),
+        "study": study,
+        "arch": arch.name,
+        "compiler": nvrtc_version(),
+        "launcher_sha256": sha256(LAUNCHER.read_text()),
+        "runs": [{"id": r.id, "study": r.study, "commit": r.commit, "device": r.device,
+                  "started": r.created_at.isoformat(timespec="seconds"),
+                  "workload": r.workload_key, "status": r.status}
+                 for r in sorted(runs.values(), key=lambda r: r.id)],
+    }
+
+
+def load(store: str | os.PathLike[str] = DEFAULT_STORE, arch: Arch | str | None = None,
+         study: str | None = None) -> TunedAttention:
+    """The exported module's ``attention``, built straight from the store, for ``arch``
+    (default: the GPU present)."""
+    if arch is None:
+        from evoengine.runtime import gpu_arch
+
+        arch = gpu_arch()
+    arch = get_arch(arch) if isinstance(arch, str) else arch
+    with Store(store_url(store)) as s:
+        found = winners(s, arch, study)
+        prov = provenance(s, arch, study, found)
+    specs, entries = kernel_specs(found, arch)
+    kernels = [kernel_from_spec(spec, arch.name) for spec in specs]
+    return TunedAttention(kernels, entries, namespace=namespace_of(specs, entries, "evoload"),
+                          provenance=prov)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What ``export_best`` wrote."""
+
+    path: Path
+    arch: str
+    kernels: list[str]  # identities
+    entries: list[Entry]
+
+    def summary(self) -> str:
+        keys = "; ".join(f"{describe(key)} at sk " + ", ".join(str(e.seq_k) for e in group)
+                         for key, group in dispatch_table(self.entries).items())
+        n, m = len(self.kernels), len(self.entries)
+        return (f"wrote {self.path}: {n} kernel{'s' * (n != 1)} for {self.arch}, "
+                f"{m} dispatch entr{'ies' if m != 1 else 'y'} ({keys})")
+
+
+def export_best(store: str | os.PathLike[str], arch: Arch | str, *, study: str | None = None,
+                output: str | os.PathLike[str] = "tuned_attention.py") -> Exported:
+    """Write the module for ``arch``."""
+    arch = get_arch(arch) if isinstance(arch, str) else arch
+    with Store(store_url(store)) as s:
+        found = winners(s, arch, study)
+        prov = provenance(s, arch, study, found)
+    specs, entries = kernel_specs(found, arch)
+    text = render_module(specs, entries, prov)
+    out = Path(output)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, out)
+    return Exported(out, arch.name, [spec["name"] for spec in specs], entries)
+
+
+# ---- the module's text ---------------------------------------------------------------------
+
+def _string_literal(text: str) -> str:
+    """The most readable Python literal of ``text``: raw triple-quoted where that is exact."""
+    literal = repr(text)
+    if "'''" not in text and not text.endswith("\\") and "\r" not in text:
+        literal = f"r'''{text}'''"
+    assert ast.literal_eval(literal) == text
+    return literal
+
+
+def launcher_body() -> str:
+    """``_standalone.py`` after its docstring and ``from __future__`` line, verbatim."""
+    text = LAUNCHER.read_text()
+    marker = "from __future__ import annotations\n"
+    return text[text.index(marker) + len(marker):].lstrip("\n")
+
+
+def _header(specs: list[dict[str, Any]], entries: list[Entry], prov: dict[str, Any]) -> str:
+    lines = [
+        f"Tuned attention kernels for {prov['arch']}, exported by {prov['exporter']}.",
+        "",
+        "    from tuned_attention import attention",
+        "    out = attention(q, k, v, causal=False, scale=None)  # torch CUDA [B, H, S, D]",
+        "    register_transformers()       # attn_implementation='evoengine' in Transformers",
+        "",
+        "Needs torch and cupy only. Each kernel's cubin for the target is embedded, so the first",
+        "call does not compile; on another GPU its CUDA source (also embedded) is compiled",
+        "there. Both are checked against their sha256 at import. A call with no tuned kernel",
+        "raises NoKernelError, or runs torch SDPA with fallback='sdpa'.",
+        "",
+        f"store     {prov['store']}",
+        f"study     {prov['study'] if prov['study'] is not None else '(all studies)'}",
+        f"commit    {prov['commit'] or 'unknown'} (the exporting evoengine)",
+        f"exported  {prov['exported_at']} with {prov['compiler']}",
+    ]
+    for r in prov["runs"]:
+        lines.append(f"run {r['id']:<5} {r['started']}  {r['device'] or 'device unknown'}, "
+                     f"commit {r['commit'] or 'unknown'}, study {r['study'] or '-'}")
+    lines += ["", "Dispatch: the kernel tuned at the nearest (seq_q, seq_k), in log scale; "
+              "median us as", "measured by the search on the run's device:"]
+    for key, group in dispatch_table(entries).items():
+        lines.append(f"  {describe(key)}")
+        for e in group:
+            us = f"{e.median_us:9.1f} us" if e.median_us is not None else "         - us"
+            lines.append(f"    sq {e.seq_q:<6} sk {e.seq_k:<6} {us}  {e.workload}")
+            lines.append(f"      {specs[e.kernel]['name']}")
+    return "\n".join(lines)
+
+
+def render_module(specs: list[dict[str, Any]], entries: list[Entry],
+                  prov: dict[str, Any]) -> str:
+    """The exported module's source text."""
+    namespace = namespace_of(specs, entries, "evoengine")
+    parts = [
+        f'"""{_header(specs, entries, prov)}\n"""\n',
+        "from __future__ import annotations\n",
+        f"# ---- launcher: evoengine/_standalone.py (sha256 {prov['launcher_sha256'][:16]}), "
+        "verbatim ----\n",
+        launcher_body(),
+        "\n# ---- this export ----------------------------------------------------------------\n",
+        f"ARCH = {prov['arch']!r}",
+        f"PROVENANCE = {pprint.pformat(prov, width=96, sort_dicts=False)}",
+        "DISPATCH = [",
+        *(f"    {e!r}," for e in entries),
+        "]",
+        "",
+    ]
+    for i, spec in enumerate(specs):
+        parts += [f"_SOURCE_{i} = {_string_literal(spec['source'])}",
+                  f'_CUBIN_{i} = """\n{pack_cubin(spec["cubin"])}"""', ""]
+    parts.append("_KERNEL_SPECS = [")
+    for i, spec in enumerate(specs):
+        parts.append(f"    dict(source=_SOURCE_{i}, cubin=_CUBIN_{i},")
+        parts += [f"         {k}={v!r}," for k, v in spec.items() if k not in ("source", "cubin")]
+        parts.append("         ),")
+    parts += [
+        "]",
+        "",
+        "attention = TunedAttention([kernel_from_spec(s, ARCH) for s in _KERNEL_SPECS], DISPATCH,",
+        f"                           namespace={namespace!r}, provenance=PROVENANCE)",
+        "register_transformers = attention.register_transformers",
+        "",
+        '__all__ = ["DISPATCH", "PROVENANCE", "IntegrityError", "NoKernelError", "attention",',
+        '           "register_transformers"]',
+        "",
+    ]
+    return "\n".join(parts)

@@ -1,0 +1,27 @@
+"""The search on a GPU: propose candidates (Optuna, with our evolutionary sampler by
+default), compile them ahead in worker processes, validate and time them in an isolated GPU
+worker, keep everything in the store, re-time the elites next to SDPA.
+
+``search(SearchConfig(...))`` is the entry point; ``evoengine search`` is a thin layer on it.
+"""
+
+from __future__ import annotations
+
+from evoengine.search.domain import Domain
+from evoengine.search.evaluator import (
+    DeviceInfo,
+    Evaluation,
+    Evaluator,
+    EvaluatorError,
+    GpuEvaluator,
+    WorkerEvaluator,
+)
+from evoengine.search.loop import SearchConfig, SearchError, SearchResult, default_study, search
+from evoengine.search.progress import Progress, Tally, elite_table
+from evoengine.search.samplers import STRATEGIES, EvoSampler, make_sampler
+
+__all__ = [
+    "STRATEGIES", "DeviceInfo", "Domain", "Evaluation", "Evaluator", "EvaluatorError",
+    "EvoSampler", "GpuEvaluator", "Progress", "SearchConfig", "SearchError", "SearchResult",
+    "Tally", "WorkerEvaluator", "default_study", "elite_table", "make_sampler", "search",
+]

@@ -1,0 +1,143 @@
+"""Tests of the Transformers integration without a GPU.
+
+The adapter is driven with a plain torch attention function (the launcher's SDPA with the
+kernels' semantics), so its handling of causality, caches, GQA, layouts and masks is
+checked on the CPU; tests/gpu/test_export.py runs the tuned kernels in a model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from evoengine import hf
+from evoengine._standalone import sdpa_attention
+
+
+class Recorder:
+    """An attention function that records how it was called."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                 scale: float | None) -> torch.Tensor:
+        self.calls.append({"q": tuple(q.shape), "k": tuple(k.shape), "causal": causal,
+                           "scale": scale})
+        return sdpa_attention(q, k, v, causal=causal, scale=scale)
+
+
+class Attn(torch.nn.Module):
+    is_causal = True
+
+
+def qkv(sq: int, sk: int, heads: int = 4, kv_heads: int = 2) -> tuple[torch.Tensor, ...]:
+    return (torch.randn(2, heads, sq, 16), torch.randn(2, kv_heads, sk, 16),
+            torch.randn(2, kv_heads, sk, 16))
+
+
+def test_prefill_is_causal_and_the_output_is_bshd() -> None:
+    rec = Recorder()
+    q, k, v = qkv(5, 5)
+    out, weights = hf.transformers_attention(rec)(Attn(), q, k, v, None, scaling=0.3)
+    assert weights is None and out.shape == (2, 5, 4, 16)
+    assert rec.calls == [{"q": (2, 4, 5, 16), "k": (2, 2, 5, 16), "causal": True, "scale": 0.3}]
+    torch.testing.assert_close(out, sdpa_attention(q, k, v, causal=True, scale=0.3)
+                               .transpose(1, 2), rtol=0, atol=0)
+
+
+def test_one_query_sees_every_key() -> None:
+    rec = Recorder()
+    hf.transformers_attention(rec)(Attn(), *qkv(1, 9), None)
+    assert rec.calls[0]["causal"] is False and rec.calls[0]["k"] == (2, 2, 9, 16)
+
+
+def test_prefill_into_an_empty_static_cache_drops_the_unused_keys() -> None:
+    rec = Recorder()
+    hf.transformers_attention(rec)(Attn(), *qkv(5, 12), None)
+    assert rec.calls[0]["causal"] is True and rec.calls[0]["k"] == (2, 2, 5, 16)
+
+
+def test_is_causal_argument_and_module_flag() -> None:
+    rec = Recorder()
+    encoder = Attn()
+    encoder.is_causal = False
+    hf.transformers_attention(rec)(encoder, *qkv(5, 5), None)
+    hf.transformers_attention(rec)(Attn(), *qkv(5, 5), None, is_causal=False)
+    assert [c["causal"] for c in rec.calls] == [False, False]
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"attention_mask": torch.ones(2, 1, 5, 5, dtype=torch.bool)}, "an attention mask"),
+    ({"dropout": 0.1}, "dropout 0.1"),
+    ({"sliding_window": 4}, "sliding_window"),
+    ({"softcap": 30.0}, "softcap"),
+    ({"s_aux": torch.zeros(4)}, "s_aux"),
+])
+def test_what_the_kernels_cannot_do_is_refused(kwargs: dict, named: str) -> None:
+    rec = Recorder()
+    mask = kwargs.pop("attention_mask", None)
+    with pytest.raises(ValueError, match=f"cannot serve {named}.*fallback='sdpa'"):
+        hf.transformers_attention(rec)(Attn(), *qkv(5, 5), mask, **kwargs)
+    assert rec.calls == []
+
+
+def test_unknown_fallback_is_refused() -> None:
+    with pytest.raises(ValueError, match="fallback must be None or 'sdpa'"):
+        hf.transformers_attention(Recorder(), fallback="eager")
+
+
+def tiny_llama(attn_implementation: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, max_position_embeddings=256)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[torch.nn.Module, torch.nn.Module, Recorder]:
+    pytest.importorskip("transformers")
+    rec = Recorder()
+    assert hf.register(rec, name="evoengine_cpu_test") == "evoengine_cpu_test"
+    torch.manual_seed(0)
+    ref = tiny_llama("sdpa").eval()
+    ours = tiny_llama("evoengine_cpu_test").eval()
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours, rec
+
+
+@torch.no_grad()
+def test_a_llama_runs_through_the_registered_function(models: tuple) -> None:
+    ref, ours, rec = models
+    rec.calls.clear()
+    ids = torch.randint(0, 128, (2, 37))
+    a, b = ref(ids, use_cache=True), ours(ids, use_cache=True)
+    torch.testing.assert_close(b.logits, a.logits)
+    assert [c["causal"] for c in rec.calls] == [True, True]  # two layers, prefill
+    assert rec.calls[0]["q"] == (2, 4, 37, 64) and rec.calls[0]["k"] == (2, 2, 37, 64)
+    token = torch.randint(0, 128, (2, 1))
+    a2 = ref(token, past_key_values=a.past_key_values)
+    b2 = ours(token, past_key_values=b.past_key_values)
+    torch.testing.assert_close(b2.logits, a2.logits)
+    assert rec.calls[-1] == {"q": (2, 4, 1, 64), "k": (2, 2, 38, 64), "causal": False,
+                             "scale": 0.125}
+
+
+@torch.no_grad()
+def test_padding_is_refused_or_served_by_sdpa(models: tuple) -> None:
+    ref, ours, _ = models
+    ids = torch.randint(0, 128, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :6] = 0  # left padding: Transformers builds a real mask for it
+    with pytest.raises(ValueError, match="cannot serve an attention mask"):
+        ours(ids, attention_mask=mask)
+    hf.register(Recorder(), name="evoengine_cpu_test", fallback="sdpa")
+    try:
+        torch.testing.assert_close(ours(ids, attention_mask=mask).logits,
+                                   ref(ids, attention_mask=mask).logits)
+    finally:
+        hf.register(models[2], name="evoengine_cpu_test")

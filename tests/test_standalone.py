@@ -1,0 +1,257 @@
+"""Tests of the launcher that exported modules carry, where no GPU is needed: what it
+imports, the integrity check, the dispatch rule, and the errors raised before any launch.
+
+Input checks shared with the runtime are tested in test_runtime.py; launches in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import ast
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from evoengine import _standalone as sa
+from evoengine._standalone import (
+    CudaKernel,
+    Entry,
+    IntegrityError,
+    NoKernelError,
+    TunedAttention,
+    cubin_runs_on,
+    dispatch_table,
+    kernel_from_spec,
+    nearest,
+    pack_cubin,
+    sdpa_attention,
+    sha256,
+    unpack_cubin,
+)
+from tests.test_runtime import cuda_like
+
+LAUNCHER = Path(sa.__file__)
+STDLIB = set(sys.stdlib_module_names)
+
+
+def imported_roots(source: str, *, top_level: bool = False) -> set[str]:
+    """The top packages that ``source`` imports (anywhere, or at module level only)."""
+    tree = ast.parse(source)
+    roots = set()
+    for node in tree.body if top_level else ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_launcher_imports_torch_cupy_transformers_and_the_stdlib_only() -> None:
+    roots = imported_roots(LAUNCHER.read_text())
+    assert {"torch", "cupy"} <= roots
+    assert roots - STDLIB == {"torch", "cupy", "transformers"}  # transformers: on request
+
+
+def test_cupy_is_imported_only_when_a_kernel_loads() -> None:
+    top = imported_roots(LAUNCHER.read_text(), top_level=True)
+    assert "torch" in top
+    assert "cupy" not in top and "transformers" not in top
+
+
+@pytest.mark.parametrize(("cubin", "device", "runs"), [
+    ("sm_80", "sm_80", True), ("sm_80", "sm_86", True), ("sm_80", "sm_89", True),
+    ("sm_86", "sm_80", False), ("sm_80", "sm_90a", False), ("sm_90a", "sm_90a", True),
+    ("sm_89", "sm_90a", False), ("sm_90a", "sm_100", False),
+])
+def test_cubin_runs_on(cubin: str, device: str, runs: bool) -> None:
+    assert cubin_runs_on(cubin, device) is runs
+
+
+def test_launch_arguments_sit_where_the_kernel_reads_them() -> None:
+    # attn_fwd(5 pointers, 4 int, 12 long long, float): each at its natural alignment.
+    fields = "QQQQQiiiiqqqqqqqqqqqqf"
+    assert len(sa._ARG_OFFSETS) == len(fields) == 22
+    for i, offset in enumerate(sa._ARG_OFFSETS):
+        assert struct.calcsize("@" + fields[:i]) == offset  # native (C) layout
+        assert struct.calcsize("=" + fields[:i]) == offset  # as packed: no padding needed
+        assert offset % struct.calcsize(fields[i]) == 0
+    assert sa._ARGS.size == 156
+
+
+def test_cubins_pack_as_text_and_back() -> None:
+    data = bytes(range(256)) * 40
+    text = pack_cubin(data)
+    assert text.isascii() and max(map(len, text.splitlines())) <= 76
+    assert "'" not in text and '"' not in text and "\\" not in text
+    assert unpack_cubin(text) == data
+
+
+def spec(**over: object) -> dict:
+    source, cubin = "// kernel source\n", b"\x7fELF cubin bytes"
+    base = {"name": "mma-x", "problem": {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": True},
+            "block_m": 64, "threads": 128, "smem_bytes": 8192, "source": source,
+            "source_sha256": sha256(source), "cubin": pack_cubin(cubin),
+            "cubin_sha256": sha256(cubin), "defines": {"EVO_SMEM_BYTES": 8192}}
+    return {**base, **over}
+
+
+def test_kernel_from_an_intact_spec() -> None:
+    k = kernel_from_spec(spec(), "sm_90a")
+    assert (k.name, k.head_dim, k.dtype, k.causal) == ("mma-x", 64, "fp16", True)
+    assert (k.block_m, k.threads, k.smem_bytes, k.arch) == (64, 128, 8192, "sm_90a")
+    assert k.cubin == b"\x7fELF cubin bytes" and k.source == "// kernel source\n"
+
+
+def test_altered_source_is_refused() -> None:
+    with pytest.raises(IntegrityError, match="CUDA source of kernel mma-x does not match"):
+        kernel_from_spec(spec(source="// kernel sourcE\n"), "sm_90a")
+
+
+def test_altered_cubin_is_refused() -> None:
+    with pytest.raises(IntegrityError, match="cubin of kernel mma-x does not match"):
+        kernel_from_spec(spec(cubin=pack_cubin(b"\x7fELF cubin byteZ")), "sm_90a")
+    with pytest.raises(IntegrityError, match="cubin of kernel mma-x is corrupt"):
+        kernel_from_spec(spec(cubin="eJwLycgsVgCi4pL8lFQFIEcNAF7o"), "sm_90a")
+
+
+def E(seq_q: int, seq_k: int | None = None, rows: int = 8, kernel: int = 0,  # noqa: N802
+      key: tuple = ("fp16", 64, False)) -> Entry:
+    return Entry(kernel, *key, seq_q=seq_q, seq_k=seq_k or seq_q, batch=1, heads=rows)
+
+
+def test_dispatch_table_groups_and_sorts() -> None:
+    entries = [E(2048, kernel=1), E(512, kernel=0), E(128, key=("bf16", 128, True), kernel=2)]
+    table = dispatch_table(entries)
+    assert list(table) == [("bf16", 128, True), ("fp16", 64, False)]
+    assert [e.seq_k for e in table[("fp16", 64, False)]] == [512, 2048]
+
+
+@pytest.mark.parametrize(("seq", "tuned"), [
+    (1, 512), (512, 512), (1000, 512), (1024, 512),  # 1024 is the geometric midpoint: a tie
+    (1025, 2048), (1500, 2048), (2048, 2048), (100000, 2048),
+])
+def test_nearest_in_log_scale(seq: int, tuned: int) -> None:
+    group = dispatch_table([E(512), E(2048)])[("fp16", 64, False)]
+    assert nearest(group, seq, seq, 8).seq_k == tuned
+
+
+def test_nearest_weighs_both_lengths_then_rows() -> None:
+    group = [E(1, 4096, kernel=0), E(4096, 4096, kernel=1), E(4096, 4096, rows=256, kernel=2)]
+    assert nearest(group, 1, 3000, 8).kernel == 0  # decode-like: one query, many keys
+    assert nearest(group, 3000, 3000, 8).kernel == 1
+    assert nearest(group, 3000, 3000, 200).kernel == 2  # many rows: the one tuned on many
+
+
+def kernel(head_dim: int = 64, dtype: str = "fp16", causal: bool = False) -> CudaKernel:
+    return CudaKernel(f"k-{dtype}-{head_dim}-{int(causal)}", head_dim=head_dim, dtype=dtype,
+                      causal=causal, block_m=64, threads=128, smem_bytes=8192,
+                      source="// never compiled here")
+
+
+@pytest.fixture(scope="module")
+def tuned() -> TunedAttention:
+    kernels = [kernel(), kernel(), kernel(128, "bf16", True)]
+    entries = [E(512, kernel=0), E(2048, kernel=1),
+               E(1024, kernel=2, key=("bf16", 128, True))]
+    return TunedAttention(kernels, entries, namespace="evotest_standalone")
+
+
+def test_select_is_pure_python(tuned: TunedAttention) -> None:
+    assert tuned.select("fp16", 64, False, 700, 700, 8).kernel == 0
+    assert tuned.select("fp16", 64, False, 1500, 1500, 8).kernel == 1
+    assert tuned.select("bf16", 128, True, 5, 5000).kernel == 2
+    assert tuned.select("fp16", 64, True, 512, 512) is None
+    assert tuned.select("fp16", 96, False, 512, 512) is None
+
+
+def test_an_entry_must_name_a_kernel_of_its_problem() -> None:
+    with pytest.raises(ValueError, match="compiled for another problem"):
+        TunedAttention([kernel()], [E(512, key=("fp16", 64, True))], namespace="evotest_bad")
+
+
+def test_two_instances_get_two_custom_ops() -> None:
+    a = TunedAttention([kernel()], [E(512)], namespace="evotest_twice")
+    b = TunedAttention([kernel()], [E(512)], namespace="evotest_twice")
+    assert (a.namespace, b.namespace) == ("evotest_twice", "evotest_twice_2")
+    assert hasattr(torch.ops.evotest_twice_2, "attention")
+    assert "evotest_twice" in repr(a) and "fp16 head_dim 64 non-causal" in repr(a)
+
+
+def q_like(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    return cuda_like(torch.zeros(*shape, dtype=dtype))
+
+
+def test_cpu_tensors_are_refused_naming_cuda(tuned: TunedAttention) -> None:
+    q = torch.zeros(1, 2, 16, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor, got device cpu"):
+        tuned(q, q, q)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):
+        tuned([1.0], q, q)  # type: ignore[arg-type]
+
+
+def test_autograd_calls_go_through_the_custom_op_with_the_same_errors(
+        tuned: TunedAttention) -> None:
+    q = torch.zeros(1, 2, 16, 64, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        tuned(q, q, q)
+
+
+def test_no_kernel_names_what_the_module_has(tuned: TunedAttention) -> None:
+    q = q_like(1, 2, 16, 96)
+    with pytest.raises(NoKernelError) as info:
+        tuned.forward(q, q, q)
+    message = str(info.value)
+    assert "no tuned kernel for torch.float16 head_dim 96 non-causal" in message
+    assert "bf16 head_dim 128 causal" in message and "fp16 head_dim 64 non-causal" in message
+    assert "fallback='sdpa'" in message
+    assert issubclass(NoKernelError, ValueError)
+
+
+def test_float32_is_refused_unless_falling_back(tuned: TunedAttention) -> None:
+    q = q_like(1, 2, 16, 64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="q must be float16 or bfloat16, got torch.float32"):
+        tuned.forward(q, q, q)
+    with pytest.raises(ValueError, match="fallback must be None or 'sdpa', got 'flash'"):
+        tuned.forward(q, q, q, fallback="flash")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((q_like(1, 3, 16, 64), q_like(1, 2, 16, 64), q_like(1, 2, 16, 64)),
+     r"query heads \(3\) must be a multiple of key/value heads \(2\)"),
+    ((q_like(1, 2, 16, 64), q_like(1, 2, 16, 64), q_like(1, 2, 8, 64)),
+     "k and v must have one shape"),
+    ((q_like(1, 2, 16, 64), q_like(1, 2, 16, 64, dtype=torch.bfloat16),
+      q_like(1, 2, 16, 64, dtype=torch.bfloat16)), "q, k, v must share a dtype"),
+    ((q_like(1, 2, 0, 64), q_like(1, 2, 16, 64), q_like(1, 2, 16, 64)), "q is empty"),
+    ((q_like(1, 2, 64, 16).mT, q_like(1, 2, 16, 64), q_like(1, 2, 16, 64)),
+     "q must have a contiguous last dim"),
+])
+def test_bad_shapes_are_named(tuned: TunedAttention, args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tuned.forward(*args)
+
+
+def test_grid_limits_are_checked() -> None:
+    with pytest.raises(ValueError, match="at most 65535"):
+        sa._check_grid(sa.Problem(70000, 1, 1, 8, 8, 64))
+
+
+def test_a_gpu_that_cannot_run_the_kernel_is_named_or_falls_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    k = kernel()
+    tuned = TunedAttention([k], [E(512)], namespace="evotest_refused")
+
+    def refuse(index: int) -> None:
+        raise NoKernelError(f"kernel {k.name} needs sm_80 or newer; cuda:{index} is sm_75")
+
+    monkeypatch.setattr(k, "load", refuse)
+    q = q_like(1, 2, 16, 64)
+    with pytest.raises(NoKernelError, match=r"needs sm_80 or newer; cuda:-1 is sm_75\. "
+                                            r"Pass fallback='sdpa'"):
+        tuned.forward(q, q, q)
+    x = torch.randn(1, 2, 16, 64).to(torch.float16)
+    out = tuned.forward(cuda_like(x), cuda_like(x), cuda_like(x), fallback="sdpa")
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), sdpa_attention(x, x, x,
+                                                                             causal=False))
