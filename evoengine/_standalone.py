@@ -368,6 +368,9 @@ class CudaKernel:
         if _sm(arch) < MIN_SM:
             raise NoKernelError(f"kernel {self.name} needs sm_{MIN_SM} or newer; cuda:{index} "
                                 f"is {arch}")
+        if self.tma is not None and arch != "sm_90a":  # wgmma, setmaxnreg: Hopper's own
+            raise NoKernelError(f"kernel {self.name} needs sm_90a (wgmma and TMA); cuda:{index} "
+                                f"is {arch}")
         with cupy.cuda.Device(index):
             runtime.setDevice(index)  # binds the primary context, even in a fresh thread
             limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,

@@ -17,9 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from evoengine import _standalone as standalone
 from evoengine import paths
 from evoengine._standalone import (
     TMA_Q_ROWS,
+    CudaKernel,
+    NoKernelError,
     TmaParams,
     kernel_from_spec,
     sha256,
@@ -301,3 +304,14 @@ def test_an_exported_wgmma_kernel_launches_through_tensor_maps() -> None:
                           "cubin_sha256": sha256(cubin)}, "sm_90a")
     assert k.tma == TmaParams(swizzle=128, block_n=128, persistent=False)
     assert len(k._argv) == 14  # 3 tensor maps, O, LSE, 5 int32, 3 strides, the scale
+
+
+def test_a_wgmma_kernel_refuses_other_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off Hopper an exported wgmma kernel is 'no kernel' (SDPA fallback), not a crash."""
+    c = make_candidate(space(), BASE, HD64, SM90)
+    k = CudaKernel(c.identity, head_dim=64, dtype="fp16", causal=False, block_m=c.block_m,
+                   threads=c.threads, smem_bytes=c.smem_bytes, arch="sm_90a", cubin=b"x",
+                   source="// source", tma=tma_params(c.family, c.params))
+    monkeypatch.setattr(standalone, "device_arch", lambda index: "sm_89")
+    with pytest.raises(NoKernelError, match="needs sm_90a"):
+        k.load(0)
