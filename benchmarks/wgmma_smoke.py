@@ -9,10 +9,10 @@ timeout, so a kernel that deadlocks (its mbarrier watchdog traps after 2 s) or f
 that point only. Each child checks the point on every problem it is admitted for (fp16 and
 bf16, head dim 64 and 128, causal and not) over tails, GQA/MQA, strided views, Sq != Sk,
 more tiles than SMs and a negative scale with the project's criterion
-(evoengine.validate.check), then times it on
-the fp16 workloads of its head dims with evoengine.measure. A last child times SDPA's flash
-and cuDNN backends on the same workloads. The table goes to stdout; the JSON document to
---json, or to $OUT/wgmma_smoke.json when $OUT is set.
+(evoengine.validate.check), then times it on the fp16 workloads of its head dims with
+evoengine.measure. A last child times SDPA's flash and cuDNN backends on the same workloads.
+The table goes to stdout; the JSON document to --json, or to $OUT/wgmma_smoke.json when $OUT
+is set.
 """
 
 from __future__ import annotations
