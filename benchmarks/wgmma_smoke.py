@@ -7,11 +7,12 @@ The parent process never touches the GPU: it compiles every candidate offline (N
 parallel, into the shared cache), then runs each parameter point in a child process with a
 timeout, so a kernel that deadlocks (its mbarrier watchdog traps after 2 s) or faults costs
 that point only. Each child checks the point on every problem it is admitted for (fp16 and
-bf16, head dim 64 and 128, causal and not) over tails, GQA/MQA, strided views, Sq != Sk and
-more tiles than SMs with the project's criterion (evoengine.validate.check), then times it on
-the fp16 workloads of its head dims with evoengine.measure. A last child times SDPA's flash
-and cuDNN backends on the same workloads. The table goes to stdout; the JSON document to
---json, or to $OUT/wgmma_smoke.json when $OUT is set.
+bf16, head dim 64 and 128, causal and not) over tails, GQA/MQA, strided views, Sq != Sk,
+more tiles than SMs and a negative scale with the project's criterion
+(evoengine.validate.check), then times it on the fp16 workloads of its head dims with
+evoengine.measure. A last child times SDPA's flash and cuDNN backends on the same workloads.
+The table goes to stdout; the JSON document to --json, or to $OUT/wgmma_smoke.json when $OUT
+is set.
 """
 
 from __future__ import annotations
@@ -121,13 +122,14 @@ def child_point(point: dict) -> dict:
         kernel = Kernel(cand, compile_candidate(cand, ARCH))
         kernels[(problem["HEAD_DIM"], problem["DTYPE"], problem["CAUSAL"])] = kernel
         dtype = torch.float16 if problem["DTYPE"] == "fp16" else torch.bfloat16
-        for b, h, hkv, sq, sk, layout in CHECK_SHAPES:
+        for (b, h, hkv, sq, sk, layout), scale in [*((s, None) for s in CHECK_SHAPES),
+                                                   (CHECK_SHAPES[0], -0.3)]:
             v = validate.check(kernel, batch=b, heads=h, kv_heads=hkv, seq_q=sq, seq_k=sk,
                                head_dim=problem["HEAD_DIM"], causal=problem["CAUSAL"],
-                               dtype=dtype, layout=layout)
+                               dtype=dtype, layout=layout, scale=scale)
             out["checks"].append({"problem": problem, "shape": [b, h, hkv, sq, sk, layout],
-                                  "ok": v.ok, "max_err": v.max_err, "tol": v.tolerance,
-                                  "reason": v.reason})
+                                  "scale": scale, "ok": v.ok, "max_err": v.max_err,
+                                  "tol": v.tolerance, "reason": v.reason})
     if not all(c["ok"] for c in out["checks"]):
         return out  # a wrong kernel's time means nothing
     for w in workloads(sorted({d for d, _, _ in kernels})):

@@ -5,9 +5,15 @@ This file is the one launcher of the project: ``evoengine.runtime.Kernel`` and
 into every exported module. So it imports nothing but torch, cupy (lazily: a module
 built on it still imports on a machine without a GPU) and the standard library.
 
-Kernel ABI (every family): ``extern "C" __global__ attn_fwd(Q, K, V, O, LSE, seq_q, seq_k,
+Kernel ABI (mma, wmma): ``extern "C" __global__ attn_fwd(Q, K, V, O, LSE, seq_q, seq_k,
 heads, kv_group, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss,
 scale_log2)`` on a grid of (ceil(seq_q / block_m), heads, batch) blocks; LSE may be null.
+
+TMA ABI (wgmma, sm_90a): ``attn_fwd(CUtensorMap q, k, v, O, LSE, seq_q, seq_k, heads,
+kv_group, total_tiles, o_sb, o_sh, o_ss, scale_log2)`` on a 1-D grid of tiles (query block,
+head, batch), or one block per SM when persistent. The tensor maps are 128-byte
+``__grid_constant__`` parameters built per call with the driver's ``cuTensorMapEncodeTiled``
+(through ctypes) over (head_dim, seq, heads, batch) with the tensors' own strides.
 """
 
 from __future__ import annotations
@@ -181,6 +187,110 @@ except AttributeError:
         return torch.cuda.current_stream(index).cuda_stream
 
 
+# ---- TMA tensor maps (the wgmma family) -----------------------------------------------------
+
+TMA_FAMILIES = ("wgmma",)
+TMA_Q_ROWS = 64  # rows of Q per consumer warpgroup: the box the kernel loads Q in
+# cuda.h's enum values (a stable ABI): CUtensorMapDataType, CUtensorMapSwizzle, and the
+# 256-byte CUtensorMapL2promotion; interleave and out-of-bounds fill are 0 (none, zeros).
+_TMA_DTYPE = {"fp16": 6, "bf16": 9}
+_TMA_SWIZZLE = {32: 1, 64: 2, 128: 3}
+_TMA_L2_256B = 3
+# The TMA launch arguments: 3 tensor maps, O and LSE, 5 int32, 3 int64 strides, 1 float.
+_TMA_ARGS = struct.Struct("=128s128s128s2Q5i4x3qf")
+_TMA_ARG_OFFSETS = (0, 128, 256, 384, 392, *range(400, 420, 4), *range(424, 448, 8), 448)
+
+
+class TmaParams(NamedTuple):
+    """How a TMA kernel is launched, from its family's parameters."""
+
+    swizzle: int  # bytes: the tensor maps' swizzle, whose width (in values) is the box's
+    block_n: int  # rows of K and V per box
+    persistent: bool  # one block per SM, each looping over tiles
+
+
+def tma_params(family: str, params: Mapping[str, Any]) -> TmaParams | None:
+    """The TMA launch of a candidate of ``family``, or None for a pointer-ABI family."""
+    if family not in TMA_FAMILIES:
+        return None
+    return TmaParams(int(params["SWIZZLE"]), int(params["BLOCK_N"]), bool(params["PERSISTENT"]))
+
+
+class TmaGeometry(NamedTuple):
+    """What ``cuTensorMapEncodeTiled`` gets for one tensor, innermost dimension first."""
+
+    dims: tuple[int, int, int, int]  # (head_dim, seq, heads, batch)
+    strides: tuple[int, int, int]  # bytes, of dims 1..3
+    box: tuple[int, int, int, int]
+    swizzle: int  # bytes
+
+
+def tma_geometry(shape: tuple[int, ...], strides: tuple[int, ...], elem_bytes: int, rows: int,
+                 swizzle: int) -> TmaGeometry:
+    """The tiled view of a ``[B, H, S, D]`` tensor with element ``strides``: boxes of one
+    swizzle panel (swizzle / elem_bytes values) by ``rows`` rows.
+
+    TMA wants byte strides that are multiples of 16 below 2^40; a dimension of size 1 is
+    never stepped over, so its stride (which torch leaves arbitrary) is replaced by a legal
+    one. Strides need not be ordered: [B, S, H, D] storage seen as [B, H, S, D] is fine.
+    """
+    b, h, s, d = shape
+    if swizzle not in _TMA_SWIZZLE:
+        raise ValueError(f"swizzle must be one of {sorted(_TMA_SWIZZLE)} bytes, got {swizzle}")
+    panel = swizzle // elem_bytes
+    if d % panel:
+        raise ValueError(f"head_dim {d} is not a whole number of {panel}-value panels")
+    if strides[3] != 1:
+        raise ValueError(f"the last dim must be contiguous, got strides {strides}")
+    out = []
+    for size, stride in ((s, strides[2]), (h, strides[1]), (b, strides[0])):
+        nbytes = stride * elem_bytes
+        if size == 1:
+            nbytes = 16 * max(1, -(-nbytes // 16))
+        if nbytes <= 0 or nbytes % 16 or nbytes >= 1 << 40:
+            raise ValueError(f"TMA needs byte strides that are positive multiples of 16, "
+                             f"got element strides {strides}")
+        out.append(nbytes)
+    return TmaGeometry((d, s, h, b), (out[0], out[1], out[2]), (panel, rows, 1, 1), swizzle)
+
+
+def tma_grid(block_m: int, seq_q: int, heads: int, batch: int, persistent: bool,
+             sms: int) -> tuple[int, int]:
+    """(blocks, tiles): one block per tile, or at most one per SM when persistent."""
+    tiles = -(-seq_q // block_m) * heads * batch
+    return (min(tiles, sms) if persistent else tiles), tiles
+
+
+@functools.cache
+def _tensor_map_encoder() -> Callable[..., int]:
+    lib = ctypes.CDLL("libcuda.so.1")  # the driver torch and cupy already use
+    fn = lib.cuTensorMapEncodeTiled
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p,
+                   u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def encode_tensor_map(address: int, geometry: TmaGeometry, dtype: str) -> bytes:
+    """The 128 bytes of a CUtensorMap (zero fill out of range, 256-byte L2 promotion)."""
+    raw = ctypes.create_string_buffer(128 + 64)  # the map must be 64-byte aligned
+    at = -ctypes.addressof(raw) % 64 + ctypes.addressof(raw)
+    err = _tensor_map_encoder()(
+        at, _TMA_DTYPE[dtype], 4, address, (ctypes.c_uint64 * 4)(*geometry.dims),
+        (ctypes.c_uint64 * 3)(*geometry.strides), (ctypes.c_uint32 * 4)(*geometry.box),
+        (ctypes.c_uint32 * 4)(1, 1, 1, 1), 0, _TMA_SWIZZLE[geometry.swizzle], _TMA_L2_256B, 0)
+    if err != 0:
+        raise ValueError(f"cuTensorMapEncodeTiled refused {geometry} at {address:#x}: "
+                         f"CUresult {err}")
+    return ctypes.string_at(at, 128)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 # ---- one kernel -----------------------------------------------------------------------------
 
 class _Loaded(NamedTuple):
@@ -205,7 +315,8 @@ class CudaKernel:
     def __init__(self, name: str, *, head_dim: int, dtype: str, causal: bool, block_m: int,
                  threads: int, smem_bytes: int, arch: str | None = None,
                  cubin: bytes | None = None, source: str | None = None,
-                 defines: Mapping[str, int] | None = None) -> None:
+                 defines: Mapping[str, int] | None = None,
+                 tma: TmaParams | None = None) -> None:
         if cubin is None and source is None:
             raise ValueError(f"kernel {name} needs a cubin or a source")
         if cubin is not None and arch is None:
@@ -223,13 +334,16 @@ class CudaKernel:
         self.cubin = cubin
         self.source = source
         self.defines = dict(defines or {})
+        self.tma = tma
+        self._maps: dict[tuple, bytes] = {}  # tensor maps by (pointer, shape, strides, rows)
         self._loaded: dict[int, _Loaded] = {}
         self._load_lock = threading.Lock()
         # One argument buffer per kernel, and the array of pointers into it that
         # cuLaunchKernel takes; the lock keeps a packed buffer intact until the launch.
-        self._args = ctypes.create_string_buffer(_ARGS.size)
+        packing, offsets = (_TMA_ARGS, _TMA_ARG_OFFSETS) if tma else (_ARGS, _ARG_OFFSETS)
+        self._args = ctypes.create_string_buffer(packing.size)
         base = ctypes.addressof(self._args)
-        self._argv = (ctypes.c_void_p * len(_ARG_OFFSETS))(*(base + o for o in _ARG_OFFSETS))
+        self._argv = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))
         self._argv_ptr = ctypes.addressof(self._argv)
         self._lock = threading.Lock()
 
@@ -253,6 +367,9 @@ class CudaKernel:
         arch = device_arch(index)
         if _sm(arch) < MIN_SM:
             raise NoKernelError(f"kernel {self.name} needs sm_{MIN_SM} or newer; cuda:{index} "
+                                f"is {arch}")
+        if self.tma is not None and arch != "sm_90a":  # wgmma, setmaxnreg: Hopper's own
+            raise NoKernelError(f"kernel {self.name} needs sm_90a (wgmma and TMA); cuda:{index} "
                                 f"is {arch}")
         with cupy.cuda.Device(index):
             runtime.setDevice(index)  # binds the primary context, even in a fresh thread
@@ -305,6 +422,9 @@ class CudaKernel:
     def launch(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor | None,
                p: Problem, scale: float) -> None:
         """Launch on torch's current stream, without checks (inputs already validated)."""
+        if self.tma is not None:
+            self._launch_tma(q, k, v, out, lse, p, scale)
+            return
         index = q.get_device()
         loaded = self._loaded.get(index) or self.load(index)
         qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
@@ -316,20 +436,40 @@ class CudaKernel:
                 0 if lse is None else lse.data_ptr(), p.seq_q, p.seq_k, p.heads,
                 p.heads // p.kv_heads, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1],
                 vs[2], os_[0], os_[1], os_[2], scale * LOG2E)
-            args = (loaded.fn, grid_x, p.heads, p.batch, self.threads, 1, 1, self.smem_bytes,
-                    stream, self._argv_ptr, 0)
-            current = loaded.get_ctx()
-            if current == loaded.ctx:
-                loaded.launch(*args)
-            elif current == 0:  # a thread with no context yet: bind it, as the runtime would
-                loaded.set_ctx(loaded.ctx)
-                loaded.launch(*args)
-            else:  # another device is current: launch in this one's, then give it back
-                loaded.set_ctx(loaded.ctx)
-                try:
-                    loaded.launch(*args)
-                finally:
-                    loaded.set_ctx(current)
+            _launch_in_context(loaded, (loaded.fn, grid_x, p.heads, p.batch, self.threads, 1, 1,
+                                        self.smem_bytes, stream, self._argv_ptr, 0))
+
+    def _tensor_map(self, t: Tensor, rows: int) -> bytes:
+        assert self.tma is not None
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), rows)
+        found = self._maps.get(key)
+        if found is None:
+            geometry = tma_geometry(tuple(t.shape), t.stride(), t.element_size(), rows,
+                                    self.tma.swizzle)
+            found = encode_tensor_map(t.data_ptr(), geometry, self.dtype)
+            if len(self._maps) >= 64:  # lengths vary without bound; keep the cache small
+                self._maps.clear()
+            self._maps[key] = found
+        return found
+
+    def _launch_tma(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor | None,
+                    p: Problem, scale: float) -> None:
+        assert self.tma is not None
+        index = q.get_device()
+        loaded = self._loaded.get(index) or self.load(index)
+        grid, tiles = tma_grid(self.block_m, p.seq_q, p.heads, p.batch, self.tma.persistent,
+                               _sm_count(index))
+        maps = (self._tensor_map(q, TMA_Q_ROWS), self._tensor_map(k, self.tma.block_n),
+                self._tensor_map(v, self.tma.block_n))
+        os_ = out.stride()
+        stream = _raw_stream(index)
+        with self._lock:
+            _TMA_ARGS.pack_into(
+                self._args, 0, *maps, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                p.seq_q, p.seq_k, p.heads, p.heads // p.kv_heads, tiles, os_[0], os_[1], os_[2],
+                scale * LOG2E)
+            _launch_in_context(loaded, (loaded.fn, grid, 1, 1, self.threads, 1, 1,
+                                        self.smem_bytes, stream, self._argv_ptr, 0))
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
                  out: Tensor | None = None, lse: Tensor | None = None) -> Tensor:
@@ -341,6 +481,22 @@ class CudaKernel:
         check_out(out, q, lse, p)
         self.launch(q, k, v, out, lse, p, softmax_scale(scale, p.head_dim))
         return out
+
+
+def _launch_in_context(loaded: _Loaded, args: tuple) -> None:
+    """cuLaunchKernel in the kernel's device context, whatever context the thread has."""
+    current = loaded.get_ctx()
+    if current == loaded.ctx:
+        loaded.launch(*args)
+    elif current == 0:  # a thread with no context yet: bind it, as the runtime would
+        loaded.set_ctx(loaded.ctx)
+        loaded.launch(*args)
+    else:  # another device is current: launch in this one's, then give it back
+        loaded.set_ctx(loaded.ctx)
+        try:
+            loaded.launch(*args)
+        finally:
+            loaded.set_ctx(current)
 
 
 def _check_grid(p: Problem) -> None:
@@ -385,7 +541,8 @@ def kernel_from_spec(spec: Mapping[str, Any], arch: str | None) -> CudaKernel:
     return CudaKernel(name, head_dim=problem["HEAD_DIM"], dtype=problem["DTYPE"],
                       causal=problem["CAUSAL"], block_m=spec["block_m"],
                       threads=spec["threads"], smem_bytes=spec["smem_bytes"], arch=arch,
-                      cubin=cubin, source=source, defines=spec.get("defines"))
+                      cubin=cubin, source=source, defines=spec.get("defines"),
+                      tma=tma_params(spec.get("family", ""), spec.get("params", {})))
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,10 @@ current stream, so they order correctly with the surrounding torch work.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from evoengine._standalone import LOG2E, CudaKernel, Problem, check_inputs
+from evoengine._standalone import LOG2E, CudaKernel, Problem, check_inputs, tma_params
 from evoengine.arch import Arch
 from evoengine.compile import CompileResult, compile_candidate
 from evoengine.render import Candidate
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["LOG2E", "Kernel", "NoGPUError", "Problem", "check_inputs", "gpu_arch"]
 
@@ -50,26 +45,12 @@ class Kernel(CudaKernel):
             causal=bool(candidate.problem["CAUSAL"]),
             block_m=candidate.block_m, threads=candidate.threads,
             smem_bytes=candidate.smem_bytes, arch=compiled.arch, cubin=compiled.cubin,
+            tma=tma_params(candidate.family, candidate.params),  # wgmma: TMA tensor maps
         )
         self.candidate = candidate
         self.compiled = compiled
         self.load(torch.cuda.current_device())  # a bad cubin fails here, not mid-measurement
-        # The wgmma family takes TMA tensor maps instead of pointers: its own launcher.
-        self._tma = None
-        if candidate.family == "wgmma":
-            from evoengine._tma import TmaLauncher
-
-            index = torch.cuda.current_device()
-            self._tma = TmaLauncher(candidate, self.load(index).fn, index)
 
     @classmethod
     def build(cls, candidate: Candidate, arch: Arch | str) -> Kernel:
         return cls(candidate, compile_candidate(candidate, arch))
-
-    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor | None, p: Problem, scale: float) -> None:
-        """Launch without checks, on torch's current stream (inputs already validated)."""
-        if self._tma is not None:
-            self._tma.launch(q, k, v, out, lse, p, scale)
-            return
-        super().launch(q, k, v, out, lse, p, scale)

@@ -1,5 +1,5 @@
 """Offline checks of the wgmma family: its search space, its rendered source, its compiled code
-(HGMMA and TMA in the SASS, no local memory) and the host-side tensor-map geometry.
+(HGMMA and TMA in the SASS, no local memory) and the launcher's tensor-map geometry and grid.
 
 No GPU is needed; the SASS checks run where ``cuobjdump`` is found and skip elsewhere.
 """
@@ -17,8 +17,19 @@ from pathlib import Path
 
 import pytest
 
+from evoengine import _standalone as standalone
 from evoengine import paths
-from evoengine._tma import Q_BOX_ROWS, launch_geometry, map_geometry
+from evoengine._standalone import (
+    TMA_Q_ROWS,
+    CudaKernel,
+    NoKernelError,
+    TmaParams,
+    kernel_from_spec,
+    sha256,
+    tma_geometry,
+    tma_grid,
+    tma_params,
+)
 from evoengine.arch import Arch, get_arch
 from evoengine.compile import CompileResult, compile_many, compile_source
 from evoengine.render import Candidate, make_candidate, render
@@ -238,7 +249,7 @@ def test_smem_static_assert_ties_space_to_kernel() -> None:
 
 
 def test_map_geometry_of_a_contiguous_tensor() -> None:
-    g = map_geometry((2, 8, 100, 128), (8 * 100 * 128, 100 * 128, 128, 1), 2, Q_BOX_ROWS, 128)
+    g = tma_geometry((2, 8, 100, 128), (8 * 100 * 128, 100 * 128, 128, 1), 2, TMA_Q_ROWS, 128)
     assert g.dims == (128, 100, 8, 2)  # innermost first
     assert g.strides == (256, 100 * 256, 8 * 100 * 256)
     assert g.box == (64, 64, 1, 1) and g.swizzle == 128
@@ -247,14 +258,14 @@ def test_map_geometry_of_a_contiguous_tensor() -> None:
 def test_map_geometry_of_a_strided_view() -> None:
     # q.transpose(1, 2) of [B, S, H, D] storage: the seq stride spans all heads.
     b, s, h, d = 2, 77, 6, 64
-    g = map_geometry((b, h, s, d), (s * h * d, d, h * d, 1), 2, 96, 32)
+    g = tma_geometry((b, h, s, d), (s * h * d, d, h * d, 1), 2, 96, 32)
     assert g.dims == (64, 77, 6, 2)
     assert g.strides == (h * d * 2, d * 2, s * h * d * 2)
     assert g.box == (16, 96, 1, 1)
 
 
 def test_map_geometry_gives_size_one_dims_a_legal_stride() -> None:
-    g = map_geometry((1, 1, 5, 64), (0, 0, 64, 1), 2, 64, 128)
+    g = tma_geometry((1, 1, 5, 64), (0, 0, 64, 1), 2, 64, 128)
     assert g.strides[0] == 128 and all(x > 0 and x % 16 == 0 for x in g.strides)
 
 
@@ -267,13 +278,40 @@ def test_map_geometry_gives_size_one_dims_a_legal_stride() -> None:
 def test_map_geometry_refuses_what_tma_cannot_take(shape: tuple, strides: tuple, swizzle: int,
                                                    message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        map_geometry(shape, strides, 2, 64, swizzle)
+        tma_geometry(shape, strides, 2, 64, swizzle)
 
 
-def test_launch_geometry() -> None:
+def test_tma_grid() -> None:
+    assert tma_grid(128, seq_q=1000, heads=16, batch=4, persistent=False, sms=132) == (512, 512)
+    assert tma_grid(128, seq_q=1000, heads=16, batch=4, persistent=True, sms=132) == (132, 512)
+    assert tma_grid(192, seq_q=100, heads=2, batch=1, persistent=True, sms=132) == (2, 2)
+
+
+def test_tma_params_come_from_the_family() -> None:
+    c = make_candidate(space(), {**BASE, "PERSISTENT": True, "SWIZZLE": 64, "BLOCK_N": 96},
+                       HD64, SM90)
+    assert tma_params(c.family, c.params) == TmaParams(swizzle=64, block_n=96, persistent=True)
+    assert tma_params("mma", {"BLOCK_N": 64}) is None
+
+
+def test_an_exported_wgmma_kernel_launches_through_tensor_maps() -> None:
+    """A spec as export writes it gives a kernel with the TMA launch and its argument block."""
     c = make_candidate(space(), BASE, HD64, SM90)
-    assert launch_geometry(c, seq_q=1000, heads=16, batch=4, sms=132).grid == 8 * 16 * 4
-    p = make_candidate(space(), {**BASE, "PERSISTENT": True}, HD64, SM90)
-    geo = launch_geometry(p, seq_q=1000, heads=16, batch=4, sms=132)
-    assert (geo.grid, geo.total_tiles) == (132, 512)
-    assert launch_geometry(p, seq_q=100, heads=2, batch=1, sms=132).grid == 2
+    cubin = b"\x7fELF not really a cubin"
+    k = kernel_from_spec({"name": c.identity, "family": c.family, "params": c.params,
+                          "problem": c.problem, "block_m": c.block_m, "threads": c.threads,
+                          "smem_bytes": c.smem_bytes, "source": None, "cubin": cubin,
+                          "cubin_sha256": sha256(cubin)}, "sm_90a")
+    assert k.tma == TmaParams(swizzle=128, block_n=128, persistent=False)
+    assert len(k._argv) == 14  # 3 tensor maps, O, LSE, 5 int32, 3 strides, the scale
+
+
+def test_a_wgmma_kernel_refuses_other_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off Hopper an exported wgmma kernel is 'no kernel' (SDPA fallback), not a crash."""
+    c = make_candidate(space(), BASE, HD64, SM90)
+    k = CudaKernel(c.identity, head_dim=64, dtype="fp16", causal=False, block_m=c.block_m,
+                   threads=c.threads, smem_bytes=c.smem_bytes, arch="sm_90a", cubin=b"x",
+                   source="// source", tma=tma_params(c.family, c.params))
+    monkeypatch.setattr(standalone, "device_arch", lambda index: "sm_89")
+    with pytest.raises(NoKernelError, match="needs sm_90a"):
+        k.load(0)
