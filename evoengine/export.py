@@ -87,19 +87,13 @@ def _workload_of(elite: EliteRecord, run: RunRecord | None) -> Workload:
         raise ExportError(f"elite {elite.identity}: cannot tell its workload ({e})") from None
 
 
-# Families the standalone launcher can run: pointer arguments. The wgmma family takes TMA
-# tensor maps built on the host (evoengine/_tma.py), which exported modules do not carry yet.
-EXPORTABLE_FAMILIES = frozenset({"mma", "wmma"})
-
-
 def winners(store: Store, arch: Arch, study: str | None = None) -> list[Winner]:
-    """The best exportable elite of every workload on ``arch`` (rank 1 unless that one's
-    family is not in ``EXPORTABLE_FAMILIES``), of runs of ``study`` if given."""
+    """The best elite of every workload on ``arch``, of runs of ``study`` if given."""
     found = []
     runs: dict[int, RunRecord | None] = {}
     taken: set[str] = set()
     for elite in sorted(store.elites(arch=arch.name), key=lambda e: e.rank):
-        if elite.workload_key in taken or elite.family not in EXPORTABLE_FAMILIES:
+        if elite.workload_key in taken:
             continue
         run = None
         if elite.run_id is not None:

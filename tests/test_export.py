@@ -345,19 +345,3 @@ def test_render_module_is_deterministic_given_its_inputs(tmp_path: Path) -> None
     generated = import_path(tmp_path / "generated.py", "tuned_attention_generated")
     assert generated.attention.kernels[0].source == spec["source"]  # quotes, backslashes
 
-
-def test_an_elite_the_launcher_cannot_run_gives_way_to_the_next(built: Built,
-                                                                 tmp_path: Path) -> None:
-    """A wgmma rank-1 (TMA tensor maps, not in exported modules yet) yields to rank 2."""
-    from evoengine.export import winners
-
-    db = tmp_path / "evo.db"
-    space = SearchSpace.load(paths.SPACES / "wgmma.toml")
-    tma = make_candidate(space, space.admitted(FP16_64, ARCH)[0], FP16_64, ARCH)
-    with Store(f"sqlite:///{db}") as store:
-        add(store, tma)
-        add(store, built.loser)
-        win(store, Workload(1, 8, 512, 64), [(tma.identity, 5.0), (built.loser.identity, 9.0)],
-            study="s1")
-        (found,) = winners(store, ARCH)
-    assert found.elite.identity == built.loser.identity
