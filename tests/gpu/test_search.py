@@ -23,7 +23,7 @@ def six_mma_points(tmp_path: Path) -> SearchSpace:
     text = (paths.SPACES / "mma.toml").read_text()
     start, end = text.index("[parameters]"), text.index("[derived]")
     params = ('[parameters]\nBLOCK_M = [64]\nBLOCK_N = [32, 64]\nNUM_WARPS = [4]\n'
-              'STAGES = [1, 2, 3]\nSWIZZLE = ["xor"]\nQ_IN_REGS = [true]\nLAZY_RESCALE = [true]\n'
+              'STAGES = [1, 2, 3]\nSWIZZLE = ["xor"]\nQ_IN_REGS = [true]\nLAZY_RESCALE = [false]\n'
               'MIN_BLOCKS = [1]\nPIPELINE = ["split"]\n\n')
     path = tmp_path / "six.toml"
     path.write_text(text[:start] + params + text[end:])
