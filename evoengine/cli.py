@@ -21,15 +21,6 @@ class UsageError(Exception):
     """A problem with what the user asked for; printed as one line, exit status 2."""
 
 
-def _gpu_or_fail(command: str) -> None:
-    from evoengine.runtime import NoGPUError, gpu_arch
-
-    try:
-        gpu_arch()
-    except NoGPUError as e:
-        raise UsageError(f"{command} needs a CUDA GPU: {e}") from None
-
-
 def _spaces(paths: Sequence[str] | None) -> list:
     from evoengine.space import SearchSpace, default_spaces
 

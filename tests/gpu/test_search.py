@@ -10,24 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from evoengine import paths
 from evoengine.search import GpuEvaluator, Progress, SearchConfig, search
 from evoengine.space import SearchSpace
 from evoengine.store import Store
 from evoengine.workload import Workload
+from tests.test_search import small_space
 
 HERE = Path(__file__).parent
-
-
-def six_mma_points(tmp_path: Path) -> SearchSpace:
-    text = (paths.SPACES / "mma.toml").read_text()
-    start, end = text.index("[parameters]"), text.index("[derived]")
-    params = ('[parameters]\nBLOCK_M = [64]\nBLOCK_N = [32, 64]\nNUM_WARPS = [4]\n'
-              'STAGES = [1, 2, 3]\nSWIZZLE = ["xor"]\nQ_IN_REGS = [true]\nLAZY_RESCALE = [false]\n'
-              'MIN_BLOCKS = [1]\nPIPELINE = ["split"]\n\n')
-    path = tmp_path / "six.toml"
-    path.write_text(text[:start] + params + text[end:])
-    return SearchSpace.load(path)
 
 
 def test_planted_fault_and_hang_cost_one_trial_each(tmp_path: Path,
@@ -36,9 +25,10 @@ def test_planted_fault_and_hang_cost_one_trial_each(tmp_path: Path,
     planted = SearchSpace.load(HERE / "spaces" / "planted.toml")
     workload = Workload(2, 4, 333, 64)
     url = f"sqlite:///{tmp_path / 'evo.db'}"
+    six = small_space(tmp_path, lazy=False)  # eager rescale: no point near the tolerance
     evaluator = GpuEvaluator(workload, timeout_s=15.0)
     try:
-        result = search(SearchConfig(workload=workload, spaces=[six_mma_points(tmp_path), planted],
+        result = search(SearchConfig(workload=workload, spaces=[six, planted],
                                      store=url, trials=8, seed=0),
                         evaluator=evaluator, progress=Progress(workload.flops()))
         restarts = evaluator.restarts
