@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from evoengine import paths  # noqa: E402
 from evoengine.search.domain import Domain  # noqa: E402
 from evoengine.search.replay import Record, load_record, replay_domain  # noqa: E402
+from evoengine.space import SearchSpace  # noqa: E402
 
 STRATEGIES = ("evo", "tpe", "random", "kt-ga")
 WITHIN = 0.02
@@ -278,9 +279,10 @@ def summarize(counts: Sequence[int | None], budget: int) -> dict[str, Any]:
 
 
 def benchmark(record: Record, strategies: Sequence[str], seeds: int, budget: int | None,
-              within: float = WITHIN, workdir: Path | None = None,
-              log: Any = sys.stderr) -> dict[str, Any]:
-    domain = replay_domain(record)
+              within: float = WITHIN, *, spaces: Sequence[SearchSpace] | None = None,
+              workdir: Path | None = None, log: Any = sys.stderr) -> dict[str, Any]:
+    """Every strategy on ``record`` for seeds 0..seeds-1 (``spaces``: default all)."""
+    domain = replay_domain(record, spaces)
     best = optimum(record, domain)
     target = best * (1 + within)
     budget = min(budget or len(domain), len(domain))
