@@ -59,6 +59,7 @@ from evoengine.search.replay import Record, load_record, replay_domain  # noqa: 
 from evoengine.space import SearchSpace  # noqa: E402
 
 STRATEGIES = ("evo", "tpe", "random", "kt-ga")
+EXTRA = ("evo-flat",)  # evo with balanced=False: random points uniform over all points
 WITHIN = 0.02
 MAX_IDLE_PROPOSALS = 500  # as the loop: give up after this many proposals needing no build
 KT_KERNEL = "evoengine_attention"
@@ -84,13 +85,17 @@ def run_ours(strategy: str, domain: Domain, record: Record, seed: int, budget: i
     from evoengine.search.samplers import (
         IDENTITY_ATTR,
         REASON_ATTR,
+        EvoSampler,
         make_sampler,
         proposes_only_fresh,
     )
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     measured: dict[str, float | None] = {}
-    sampler = make_sampler(strategy, domain, seed=seed, blocked=lambda: set(measured))
+    if strategy == "evo-flat":
+        sampler = EvoSampler(domain, seed=seed, blocked=lambda: set(measured), balanced=False)
+    else:
+        sampler = make_sampler(strategy, domain, seed=seed, blocked=lambda: set(measured))
     study = optuna.create_study(sampler=sampler, direction="minimize")
     fresh_only = proposes_only_fresh(sampler)
 
@@ -366,13 +371,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="max evaluations per run (default: the whole domain)")
     p.add_argument("--within", type=float, default=WITHIN, help="target gap (default 0.02)")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
-                   help=f"comma-separated subset of {','.join(STRATEGIES)}")
+                   help=f"comma-separated subset of {','.join(STRATEGIES + EXTRA)}")
     p.add_argument("--synthetic", metavar="B,H,S,D[,causal]",
                    help="use a SYNTHETIC record of this workload (development only)")
     p.add_argument("--json", metavar="FILE", help="write the results document")
     args = p.parse_args(argv)
     strategies = [s for s in args.strategies.split(",") if s]
-    unknown = set(strategies) - set(STRATEGIES)
+    unknown = set(strategies) - set(STRATEGIES + EXTRA)
     if unknown:
         p.error(f"unknown strategies {sorted(unknown)}")
     records: list[Record] = []
