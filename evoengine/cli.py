@@ -16,6 +16,9 @@ from pathlib import Path
 from evoengine import __version__
 from evoengine.arch import ARCHS, get_arch
 
+# A replay never writes into the default store: its measurements are not this machine's.
+REPLAY_STORE = "sqlite:///runs/replay.db"
+
 
 class UsageError(Exception):
     """A problem with what the user asked for; printed as one line, exit status 2."""
@@ -122,6 +125,21 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_record(args: argparse.Namespace) -> int:
+    from evoengine import paths
+    from evoengine.search.replay import record_from_store, save_record
+
+    arch = get_arch(args.arch)
+    workload = _workload(args)
+    with _open_store(args.store) as store:
+        record = record_from_store(store, arch.name, workload.key(), run_ids=args.run,
+                                   note=args.note)
+    output = args.output or paths.ROOT / "tests" / "data" / f"sweep-{record.key()}.json.gz"
+    save_record(record, output)
+    print(f"{record.describe()}\nwritten to {output}")
+    return 0
+
+
 # ---- GPU commands -------------------------------------------------------------------------
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -135,17 +153,22 @@ def cmd_search(args: argparse.Namespace) -> int:
         elite_table,
         search,
     )
-    from evoengine.workload import Workload
 
-    workload = Workload.parse(args.shape, kv_heads=args.kv_heads, seq_k=args.seq_k,
-                              causal=args.causal, dtype=args.dtype)
-    spaces = _spaces(args.space)  # reject a bad workload or space before looking for a GPU
-    arch = get_arch(args.arch) if args.arch else None
     if args.trials is not None and args.trials < 1:
         raise UsageError(f"--trials must be at least 1, got {args.trials}")
-    _cuda_or_fail("search")
+    spaces = _spaces(args.space)  # reject a bad workload or space before looking for a GPU
+    run_kw: dict = {}
+    if args.replay:
+        workload, arch, run_kw = _replay(args, spaces)
+    else:
+        if args.shape is None:
+            raise UsageError("search needs --shape B,H,S,D (or --replay FILE)")
+        workload = _workload(args)
+        arch = get_arch(args.arch) if args.arch else None
+        _cuda_or_fail("search")
     trials = args.trials if args.trials is not None or args.timeout is not None else 100
-    config = SearchConfig(workload=workload, spaces=spaces, arch=arch, store=args.store,
+    store = args.store or (REPLAY_STORE if args.replay else None)
+    config = SearchConfig(workload=workload, spaces=spaces, arch=arch, store=store,
                           study=args.study, strategy=args.sampler, trials=trials,
                           timeout_s=args.timeout, seed=args.seed, compile_workers=args.workers,
                           eval_timeout_s=args.eval_timeout, device=args.device)
@@ -153,9 +176,10 @@ def cmd_search(args: argparse.Namespace) -> int:
     try:
         budget = f"{trials} trials" if trials else f"{args.timeout:.0f} s"
         study = args.study or (default_study(arch, workload) if arch else "(named by device)")
-        print(f"searching {workload.key()} on {arch.name if arch else 'this GPU'}, study "
-              f"{study}, {budget}", file=sys.stderr)
-        result = search(config)
+        where = f"replay of {args.replay}" if args.replay else "this GPU"
+        print(f"searching {workload.key()} on {arch.name if arch else where}, study "
+              f"{study}, {budget}" + (f" ({where})" if args.replay else ""), file=sys.stderr)
+        result = search(config, **run_kw)
     except (SearchError, EvaluatorError) as e:
         raise UsageError(str(e)) from None
     finally:
@@ -171,6 +195,37 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result.evidence(), indent=1) + "\n")
     return 130 if result.status == "interrupted" else 0
+
+
+def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from evoengine.workload import Workload
+
+    return Workload.parse(args.shape, kv_heads=args.kv_heads, seq_k=args.seq_k,
+                          causal=args.causal, dtype=args.dtype)
+
+
+def _replay(args: argparse.Namespace, spaces: list):  # type: ignore[no-untyped-def]
+    """The workload, arch and search() arguments of ``--replay FILE``: no GPU, no NVRTC."""
+    from evoengine.search.replay import (
+        ReplayEvaluator,
+        load_record,
+        replay_compile,
+        replay_domain,
+    )
+
+    record = load_record(args.replay)
+    if args.shape is not None and _workload(args) != record.workload:
+        raise UsageError(f"{args.replay} records {record.workload.key()}, but the flags ask "
+                         f"for {_workload(args).key()}; drop --shape to take the record's")
+    if args.arch is not None and get_arch(args.arch).name != record.arch:
+        raise UsageError(f"{args.replay} records {record.arch}, not {get_arch(args.arch).name}")
+    if record.synthetic:
+        print(f"evoengine: {args.replay} is SYNTHETIC (a cost model, not measurements)",
+              file=sys.stderr)
+    evaluator = ReplayEvaluator(record, delay_s=args.replay_delay)
+    return record.workload, get_arch(record.arch), {
+        "evaluator": evaluator, "compile_fn": replay_compile(record),
+        "domain": replay_domain(record, spaces)}
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -246,8 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "SDPA's criterion, time, keep the elites in the store. Running the same "
                        "study again resumes it.")
     s.add_argument("--arch", help="target (default: the GPU present)")
-    s.add_argument("--shape", required=True, metavar="B,H,S,D",
-                   help="batch, query heads, query length, head dim")
+    s.add_argument("--shape", metavar="B,H,S,D",
+                   help="batch, query heads, query length, head dim (required unless --replay)")
     s.add_argument("--kv-heads", type=int, help="key/value heads (default: H)")
     s.add_argument("--seq-k", type=int, help="key length (default: S)")
     s.add_argument("--causal", action="store_true", help="causal mask, aligned bottom-right")
@@ -267,7 +322,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a candidate with no answer after this long is a hang (default 30s)")
     s.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     s.add_argument("--json", metavar="FILE", help="write the results JSON (device, rows...)")
+    s.add_argument("--replay", metavar="FILE",
+                   help="no GPU: answer from a recorded sweep (evoengine record); the "
+                   f"workload and arch are the record's; --store defaults to {REPLAY_STORE}")
+    s.add_argument("--replay-delay", type=_duration, default=0.0, metavar="SECONDS",
+                   help="with --replay, sleep this long per evaluation (default 0)")
     s.set_defaults(func=cmd_search)
+
+    r = sub.add_parser("record", help="write a recorded sweep from the store (for --replay)",
+                       description="Export the search-phase measurements of one workload on one "
+                       "target as a replay record (gzip'd JSON, format in "
+                       "evoengine/search/replay.py): every point once, failures with their "
+                       "reason, with the device, driver, date and commit of the runs.")
+    r.add_argument("--store", metavar="URL", help="SQLAlchemy URL (default runs/evoengine.db)")
+    r.add_argument("--arch", default="sm_90a", help="target (default sm_90a)")
+    r.add_argument("--shape", required=True, metavar="B,H,S,D")
+    r.add_argument("--kv-heads", type=int, help="key/value heads (default: H)")
+    r.add_argument("--seq-k", type=int, help="key length (default: S)")
+    r.add_argument("--causal", action="store_true")
+    r.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    r.add_argument("--run", type=int, action="append", metavar="ID",
+                   help="only these runs (repeatable; default: every run of the workload)")
+    r.add_argument("--note", default="", help="how the sweep was run, kept in the record")
+    r.add_argument("-o", "--output", metavar="FILE",
+                   help="default tests/data/sweep-<arch>-<workload key>.json.gz")
+    r.set_defaults(func=cmd_record)
 
     e = sub.add_parser("export", help="write the best kernels as a standalone module",
                        description="Write one self-contained Python module (cupy + torch only) "

@@ -194,6 +194,23 @@ def test_evo_beats_random_on_a_smooth_landscape() -> None:
     assert evo <= rnd
 
 
+def test_evo_draws_random_points_evenly_over_families() -> None:
+    """Mutation never changes a family, so the random points must reach the small ones."""
+    from evoengine.space import default_spaces
+
+    domain = Domain(default_spaces(), Workload(16, 16, 2048, 64), SM90)
+    sizes = {f: len(p) for f, p in domain.points.items()}
+    assert min(sizes.values()) * 10 < max(sizes.values())  # wmma is tiny next to the others
+    study = optuna.create_study(sampler=EvoSampler(domain, seed=0))
+    got = []
+    for _ in range(15):  # the random first population
+        trial = study.ask()
+        got.append(domain.suggest(trial)[0])
+        study.tell(trial, 1.0)
+    counts = {f: got.count(f) for f in sizes}
+    assert min(counts.values()) >= 3, counts
+
+
 # ---- the loop -----------------------------------------------------------------------------
 
 def test_search_records_everything_and_keeps_elites(tmp_path: Path) -> None:

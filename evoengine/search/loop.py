@@ -113,12 +113,14 @@ def default_study(arch: Arch, workload: Workload) -> str:
 def search(config: SearchConfig, *, evaluator: Evaluator | None = None,
            progress: Progress | None = None,
            compile_fn: Callable[[Candidate, str], CompileResult] = compile_candidate,
-           ) -> SearchResult:
+           domain: Domain | None = None) -> SearchResult:
     """Run (or resume) a search; see the module docstring. Ctrl-C stops it cleanly.
 
     ``evaluator`` defaults to a ``GpuEvaluator`` on ``config.device``; ``compile_fn`` (run in
-    the compiler processes, so a module-level function) defaults to NVRTC with the disk
-    cache. Tests replace both to run the loop without a GPU.
+    the compiler processes, so a module-level function or a picklable object) defaults to
+    NVRTC with the disk cache. ``domain`` defaults to every admitted point of
+    ``config.spaces``; it must be of ``config.workload`` and the search's arch. Tests and the
+    replay (``search.replay``) replace all three to run the loop without a GPU.
     """
     import optuna
 
@@ -128,11 +130,12 @@ def search(config: SearchConfig, *, evaluator: Evaluator | None = None,
         # experimental, and meant for Study.optimize; the loop records them itself.
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         warnings.filterwarnings("ignore", message="Heartbeat of storage")
-        return _search(config, evaluator, progress, compile_fn)
+        return _search(config, evaluator, progress, compile_fn, domain)
 
 
 def _search(config: SearchConfig, evaluator: Evaluator | None, progress: Progress | None,
-            compile_fn: Callable[[Candidate, str], CompileResult]) -> SearchResult:
+            compile_fn: Callable[[Candidate, str], CompileResult],
+            domain: Domain | None) -> SearchResult:
     import optuna
 
     w = config.workload
@@ -146,7 +149,11 @@ def _search(config: SearchConfig, evaluator: Evaluator | None, progress: Progres
         if not arch.runs_on(*info.capability):
             raise SearchError(f"--arch {arch.name} cannot run on this GPU ({info.name}, "
                               f"compute capability {info.capability[0]}.{info.capability[1]})")
-        domain = Domain(config.spaces, w, arch)
+        if domain is None:
+            domain = Domain(config.spaces, w, arch)
+        elif domain.workload != w or domain.arch != arch:
+            raise SearchError(f"the domain is of {domain.workload.key()} on {domain.arch.name}, "
+                              f"the search of {w.key()} on {arch.name}")
         study_name = config.study or default_study(arch, w)
         key = w.key()
         measured = store.measured_identities(arch=arch.name, workload_key=key)

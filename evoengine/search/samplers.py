@@ -15,6 +15,8 @@ mutation           0.25     chance to change each parameter of a child (at least
 step               0.7      chance a mutation moves to an adjacent value of an ordered
                             domain rather than any value
 immigrants         0.1      chance a child is a fresh random point instead (any family)
+balanced           True     fresh random points pick a family uniformly, then a point of
+                            it, so a small family is tried as often as a large one
 =================  =======  ==============================================================
 """
 
@@ -58,7 +60,8 @@ class EvoSampler(BaseSampler):
     def __init__(self, domain: Domain, *, seed: int | None = None,
                  blocked: Callable[[], set[str]] = set, seeds: Sequence[Point] = (),
                  random_only: bool = False, population: int = 16, tournament: int = 3,
-                 mutation: float = 0.25, step: float = 0.7, immigrants: float = 0.1) -> None:
+                 mutation: float = 0.25, step: float = 0.7, immigrants: float = 0.1,
+                 balanced: bool = True) -> None:
         self.domain = domain
         self._rng = random.Random(seed)
         self._blocked = blocked
@@ -69,6 +72,7 @@ class EvoSampler(BaseSampler):
         self.mutation = mutation
         self.step = step
         self.immigrants = immigrants
+        self.balanced = balanced and not random_only
         self._fallback = RandomSampler(seed=seed)
 
     # ---- Optuna's interface -------------------------------------------------------------
@@ -127,7 +131,12 @@ class EvoSampler(BaseSampler):
 
     def _random_unseen(self, seen: set[str]) -> Point | None:
         fresh = [p for i, p in self.domain.items() if i not in seen]
-        return self._rng.choice(fresh) if fresh else None
+        if not fresh:
+            return None
+        if self.balanced:
+            family = self._rng.choice(sorted({f for f, _ in fresh}))
+            fresh = [p for p in fresh if p[0] == family]
+        return self._rng.choice(fresh)
 
     def _tournament(self, parents: list[tuple[float, Point]]) -> Point:
         contestants = self._rng.sample(parents, min(self.tournament, len(parents)))
