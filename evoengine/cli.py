@@ -225,7 +225,7 @@ def _replay(args: argparse.Namespace, spaces: list):  # type: ignore[no-untyped-
     evaluator = ReplayEvaluator(record, delay_s=args.replay_delay)
     return record.workload, get_arch(record.arch), {
         "evaluator": evaluator, "compile_fn": replay_compile(record),
-        "domain": replay_domain(record, spaces)}
+        "domain": replay_domain(record, spaces if args.space else None)}
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -265,3 +265,25 @@ def test_cli_search_replay_and_record(tmp_path: Path, record_file: Path,
     bad.write_text("{}")
     assert main(["search", "--replay", str(bad), "--store", url]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+# ---- the recorded sweeps shipped in tests/data ---------------------------------------------
+
+RECORDS = sorted((Path(__file__).parent / "data").glob("sweep-*.json.gz"))
+
+
+@pytest.mark.parametrize("path", RECORDS, ids=lambda p: p.name)
+def test_the_shipped_sweeps_replay_with_the_spaces_they_were_swept_with(tmp_path: Path,
+                                                                        path: Path) -> None:
+    rec = load_record(path)
+    assert not rec.synthetic and rec.device.startswith("NVIDIA") and rec.commit and rec.date
+    assert all("space" in info for info in rec.families.values())
+    domain = replay_domain(rec)  # the record's own spaces: today's may have new parameters
+    assert domain.skipped == [] and len(domain) == len(rec.points)
+    result = search(SearchConfig(workload=rec.workload, arch=domain.arch, trials=20, seed=1,
+                                 store=f"sqlite:///{tmp_path / 'r.db'}", compile_workers=2,
+                                 spaces=list(domain.spaces.values())),
+                    evaluator=ReplayEvaluator(rec), compile_fn=replay_compile(path),
+                    domain=domain, progress=Progress(1.0, quiet=True))
+    assert result.tally.evaluated == 20 and result.status == "done"
+    assert min(r["ours_us"] for r in result.rows) >= rec.optimum().median_us

@@ -29,6 +29,8 @@ class Domain:
     Raises ``ValueError`` when no space targets the arch or none admits a point.
     """
 
+    renders = True  # whether the search stores each candidate's rendered source
+
     def __init__(self, spaces: Iterable[SearchSpace], workload: Workload, arch: Arch) -> None:
         self.workload = workload
         self.arch = arch

@@ -355,7 +355,8 @@ class _Loop:
         c = pending.candidate
         self.store.add_candidate(identity=c.identity, family=c.family,
                                  template_hash=c.template_hash, params=c.params,
-                                 problem=c.problem, source=render(c))
+                                 problem=c.problem,
+                                 source=render(c) if self.domain.renders else "")
         self.store.set_compile_report(c.identity, arch=self.arch.name, ok=result.ok,
                                       registers=result.registers, spill_bytes=result.spill_bytes,
                                       smem_bytes=result.smem_bytes,

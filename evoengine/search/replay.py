@@ -11,8 +11,11 @@ compiler (reproducing recorded compile errors, running no NVRTC) and ``replay_do
 
 Points are keyed by (family, parameters), not by identity: the identity carries the
 template's hash, which changes with every template edit, while a record stays valid for a
-family whose parameters it names. A record whose parameter lists differ from the search
-space's is refused, as Kernel Tuner's cache refuses another parameter list.
+family whose parameters it names. The record carries each family's search space as swept
+(its TOML), and a replay uses that, so a record outlives later edits of the spaces (a new
+parameter, a changed constraint). A replay given other spaces explicitly refuses a record
+whose parameter lists differ from theirs, as Kernel Tuner's cache refuses another parameter
+list.
 
 Format 1 (``sweep-<arch>-<workload key>.json.gz``)::
 
@@ -25,7 +28,8 @@ Format 1 (``sweep-<arch>-<workload key>.json.gz``)::
      "synthetic": false,            # true: made by a cost model, not measured
      "runs": [run ids of the source store],
      "sdpa": {"flash": us | null, "cudnn": us | null},
-     "families": {"mma": {"template_hash": "...", "parameters": ["BLOCK_M", ...]}, ...},
+     "families": {"mma": {"template_hash": "...", "parameters": ["BLOCK_M", ...],
+                          "space": "the search space's TOML as swept"}, ...},
      "points": [{"family": "mma", "params": {...},
                  "compiled": true,  # false: a compile error (reason holds it)
                  "ok": true,        # valid and timed
@@ -47,6 +51,7 @@ import json
 import math
 import statistics
 import time
+import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -177,7 +182,8 @@ class Record:
             arch = get_arch(str(data["arch"])).name
             workload = Workload.from_dict(dict(data["workload"]))
             families = {str(f): {"template_hash": info.get("template_hash"),
-                                 "parameters": list(info["parameters"])}
+                                 "parameters": list(info["parameters"]),
+                                 **({"space": str(info["space"])} if info.get("space") else {})}
                         for f, info in dict(data["families"]).items()}
             points = tuple(_point(p) for p in data["points"])
         except RecordError as e:
@@ -243,7 +249,8 @@ def _load_cached(path: str, mtime_ns: int) -> Record:
 # ---- from a store -------------------------------------------------------------------------
 
 def record_from_store(store: Any, arch: str, workload_key: str, *,
-                      run_ids: Sequence[int] | None = None, note: str = "") -> Record:
+                      run_ids: Sequence[int] | None = None, note: str = "",
+                      spaces: Iterable[SearchSpace] | None = None) -> Record:
     """The record of the search-phase measurements of ``workload_key`` on ``arch`` in
     ``store`` (an ``evoengine.store.Store``), from the runs ``run_ids`` or all such runs.
 
@@ -251,9 +258,11 @@ def record_from_store(store: Any, arch: str, workload_key: str, *,
     a point twice; another run of the same study does not either). Compile errors are
     points with ``compiled: false``. The runs must share one device; the date is the first
     run's start, the commit and versions the last run's. SDPA times come from the last final
-    re-time that holds them.
+    re-time that holds them. Each family's search space (``spaces``, default the project's)
+    is kept in the record as TOML; it must declare the measured parameters.
     """
     arch = get_arch(arch).name
+    space_of = {sp.family: sp for sp in (default_spaces() if spaces is None else spaces)}
     runs = [r for r in reversed(store.runs())
             if r.arch == arch and r.workload_key == workload_key
             and (run_ids is None or r.id in run_ids)]
@@ -304,6 +313,12 @@ def record_from_store(store: Any, arch: str, workload_key: str, *,
                 seconds=(m.extra or {}).get("seconds"))
     if not points:
         raise RecordError(f"the runs {[r.id for r in runs]} hold no search-phase measurement")
+    for family, info in families.items():
+        space = space_of.get(family)
+        if space is None or space.path is None or list(space.parameters) != info["parameters"]:
+            raise RecordError(f"no search-space file declares {family}'s measured parameters "
+                              f"{info['parameters']}; pass the spaces the sweep used")
+        info["space"] = space.path.read_text()
     last = runs[-1]
     versions = dict(last.versions)
     return Record(arch=arch, workload=Workload.from_dict(last.workload),
@@ -328,8 +343,10 @@ class RecordedDomain(Domain):
     ``skipped`` lists recorded points the spaces no longer admit (a changed constraint).
     """
 
-    def __init__(self, spaces: Iterable[SearchSpace], record: Record) -> None:
-        spaces = list(spaces)
+    renders = False  # the templates may have moved on since the sweep; replay needs no source
+
+    def __init__(self, spaces: Iterable[SearchSpace] | None, record: Record) -> None:
+        spaces = recorded_spaces(record) if spaces is None else list(spaces)
         arch = get_arch(record.arch)
         super().__init__(spaces, record.workload, arch)
         for family, info in record.families.items():
@@ -362,9 +379,26 @@ class RecordedDomain(Domain):
         return bad
 
 
+def recorded_spaces(record: Record) -> list[SearchSpace]:
+    """The search spaces the record was swept with (the project's for a family whose record
+    carries none)."""
+    current = {sp.family: sp for sp in default_spaces()}
+    out = []
+    for family, info in record.families.items():
+        if "space" in info:
+            try:
+                out.append(SearchSpace.from_dict(tomllib.loads(info["space"])))
+            except (tomllib.TOMLDecodeError, ValueError) as e:
+                raise RecordError(f"{record.path or 'the record'}: {family}'s space: {e}") from None
+        elif family in current:
+            out.append(current[family])
+    return out
+
+
 def replay_domain(record: Record, spaces: Iterable[SearchSpace] | None = None) -> Domain:
-    """The ``Domain`` of the recorded points that ``spaces`` (default: all) admit."""
-    return RecordedDomain(default_spaces() if spaces is None else spaces, record)
+    """The ``Domain`` of the recorded points that ``spaces`` (default: the record's own)
+    admit."""
+    return RecordedDomain(spaces, record)
 
 
 class ReplayEvaluator(Evaluator):
