@@ -96,7 +96,7 @@ def tensor_loops(code: list[Instr]) -> list[dict[str, object]]:
     """Every loop (backward branch) whose body holds a tensor-core op, innermost first:
     address range and the static counts of its body."""
     loops = []
-    for i, (addr, _, op, arg) in enumerate(code):
+    for addr, _, op, arg in code:
         if op != "BRA":
             continue
         target = _target(arg)
