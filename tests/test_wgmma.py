@@ -31,13 +31,13 @@ from evoengine._standalone import (
     tma_params,
 )
 from evoengine.arch import Arch, get_arch
-from evoengine.compile import CompileResult, compile_many, compile_source
+from evoengine.compile import CompileResult, compile_candidate, compile_many, compile_source
 from evoengine.render import Candidate, make_candidate, render
 from evoengine.space import SearchSpace, default_spaces, spread
 
 SM90 = get_arch("sm_90a")
 BASE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
-            INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False)
+            INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head")
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 SPREAD = 16  # compiled points: two per default problem
@@ -111,7 +111,7 @@ def test_space_targets_sm90a_only() -> None:
     sp = space()
     assert sp.archs == ("sm_90a",)
     assert list(sp.parameters) == ["BLOCK_M", "BLOCK_N", "STAGES", "SWIZZLE", "P_FROM",
-                                   "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT"]
+                                   "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER"]
     for arch in ("sm_80", "sm_86", "sm_89"):
         target = get_arch(arch)
         assert sp.violations(BASE, HD64, target) == [f"family wgmma does not target {arch}"]
@@ -158,6 +158,7 @@ CONSTRAINT_CASES = [
     ("THREADS <= MAX_THREADS", {}, HD64, _FEW_THREADS, {}),
     ("SMEM_BYTES <= SMEM_LIMIT", dict(BLOCK_N=192, STAGES=4, P_FROM="smem"), HD128, SM90, {}),
     ("LIVE_REGS + REG_MARGIN <= CONSUMER_REGS", {"BLOCK_M": 192}, HD128, SM90, {}),
+    ("CAUSAL or TILE_ORDER == 'head'", {"TILE_ORDER": "l2"}, HD64, SM90, {}),
 ]
 
 
@@ -236,6 +237,34 @@ def test_feature_points_compile_clean(override: dict) -> None:
         c = make_candidate(space(), {**BASE, **override}, problem, SM90)
         check_compiled(c, compile_source(render(c), SM90, c.defines(SM90), identity=c.identity,
                                          smem_bytes=c.smem_bytes))
+
+
+@pytest.mark.parametrize("override", [
+    dict(TILE_ORDER="l2"),  # L2 sections, non-persistent
+    dict(TILE_ORDER="l2", PERSISTENT=True, PINGPONG=True, BLOCK_N=64),
+    dict(PERSISTENT=True, BLOCK_M=192, BLOCK_N=64, INTRA_WG_OVERLAP=False, PINGPONG=True),
+])
+def test_causal_orders_and_skips_compile_clean(override: dict) -> None:
+    """Causal-only paths: the tile orders, warpgroups that skip blocks with turns kept."""
+    for problem in ({**HD64, "CAUSAL": True}, HD128):
+        c = make_candidate(space(), {**BASE, **override}, problem, SM90)
+        check_compiled(c, compile_source(render(c), SM90, c.defines(SM90), identity=c.identity,
+                                         smem_bytes=c.smem_bytes))
+
+
+def test_masked_and_unmasked_loops_are_separate() -> None:
+    """The key loop is split: the unmasked copy of the block body has no mask selects."""
+    if CUOBJDUMP is None:
+        pytest.skip("no cuobjdump")
+    c = make_candidate(space(), BASE, HD128, SM90)
+    r = compile_candidate(c, SM90)
+    check_compiled(c, r)
+    sys.path.insert(0, str(paths.ROOT / "benchmarks"))
+    from sass_report import disassemble, tensor_loops
+
+    loops = [lp for lp in tensor_loops(disassemble(r.cubin or b"")) if lp.get("HGMMA")]
+    fsel = sorted(int(lp.get("FSEL", 0)) for lp in loops[:2])  # type: ignore[call-overload]
+    assert fsel[0] <= 4 and fsel[1] >= 64, loops[:2]
 
 
 def test_smem_static_assert_ties_space_to_kernel() -> None:

@@ -40,15 +40,15 @@ CONFIGS = {
     # shared memory, with and without intra-warpgroup overlap, ping-pong and a persistent grid.
     "wgmma": [
         dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
-             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False),
+             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head"),
         dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
-             INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True),
+             INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head"),
         dict(BLOCK_M=192, BLOCK_N=64, STAGES=4, SWIZZLE=32, P_FROM="regs",
-             INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True),
+             INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head"),
         dict(BLOCK_M=64, BLOCK_N=176, STAGES=2, SWIZZLE=128, P_FROM="regs",
-             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False),
+             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head"),
         dict(BLOCK_M=128, BLOCK_N=96, STAGES=2, SWIZZLE=32, P_FROM="smem",
-             INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=False),
+             INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=False, TILE_ORDER="head"),
     ],
 }
 
@@ -240,3 +240,28 @@ def test_wgmma_more_tiles_than_sms(idx: int) -> None:
             verdict = run_check(kernel, shape)
             assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
 
+
+# Causal tile orders (causal only): the L2 sections on both grids, and the per-head order with
+# the persistent grid's alternating rounds, with warpgroups that skip the blocks past their
+# rows (BLOCK_N 64 with 2 and 3 consumers), ping-pong turns kept in step while one skips.
+CAUSAL_ORDER_CONFIGS = [
+    dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
+         INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="l2"),
+    dict(BLOCK_M=128, BLOCK_N=64, STAGES=2, SWIZZLE=128, P_FROM="regs",
+         INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True, TILE_ORDER="l2"),
+    dict(BLOCK_M=192, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
+         INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head"),
+]
+
+
+@pytest.mark.parametrize("idx", range(len(CAUSAL_ORDER_CONFIGS)))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_wgmma_causal_tile_orders(idx: int, head_dim: int) -> None:
+    need_family("wgmma")
+    problem = dict(HEAD_DIM=head_dim, DTYPE="bf16", CAUSAL=True)
+    (kernel,) = build([make_candidate(space("wgmma"), CAUSAL_ORDER_CONFIGS[idx], problem,
+                                      gpu_arch())])
+    for shape in (*SHAPES, (3, 16, 4, 1111, 1000, "bshd"), (2, 32, 8, 1000, 1111, "bhsd"),
+                  (1, 40, 40, 640, 640, "bhsd")):
+        verdict = run_check(kernel, shape)
+        assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
