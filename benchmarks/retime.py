@@ -1,0 +1,167 @@
+"""Re-time chosen points per workload the way a search's final step does, next to SDPA.
+
+    python benchmarks/retime.py --records 6 --points benchmarks/wgmma_causal_points.json \
+        --family wgmma --dtypes fp16,bf16 --json out.json
+
+For each workload (default: issue #5's three shapes, causal and not) and dtype, the
+candidates are: the best ``--records N`` valid points of every recorded sweep in tests/data
+(any workload: a good kernel for one shape is a candidate for its neighbours, as the search's
+seeds are), plus the points a ``--points`` file lists for that workload. A parameter the point
+lacks (one added to the space after the sweep) is expanded over its whole domain; points the
+space does not admit for the workload are dropped. Every candidate goes through the search's
+own GPU worker (``evoengine.search._gpu``): the criterion on ``validate.plan(workload)``, then
+a timing; the ``--keep`` fastest valid ones are re-timed ``--rounds`` times interleaved with
+SDPA's flash and cuDNN backends, and the row holds the best, with same-run ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from evoengine import paths  # noqa: E402
+from evoengine.compile import compile_many  # noqa: E402
+from evoengine.search.domain import Domain  # noqa: E402
+from evoengine.search.replay import load_record  # noqa: E402
+from evoengine.space import default_spaces  # noqa: E402
+from evoengine.workload import Workload  # noqa: E402
+
+WORKLOADS = ["16,16,2048,64", "16,16,2048,64,causal", "8,16,4096,128",
+             "8,16,4096,128,causal", "2,32,8192,128", "2,32,8192,128,causal"]
+
+
+def workload_of(text: str, dtype: str) -> Workload:
+    parts = text.split(",")
+    b, h, s, d = (int(x) for x in parts[:4])
+    return Workload(b, h, s, d, causal="causal" in parts[4:], dtype=dtype)
+
+
+def expand(domain: Domain, family: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """``params`` completed over the domains of the parameters it lacks, in declared order,
+    keeping the admitted ones."""
+    space = domain.spaces.get(family)
+    if space is None:
+        return []
+    missing = [n for n in space.parameters if n not in params]
+    out = []
+    for values in itertools.product(*(space.parameters[n] for n in missing)):
+        p = {n: params.get(n, dict(zip(missing, values, strict=True)).get(n))
+             for n in space.parameters}
+        if not domain.violations(family, p):
+            out.append(p)
+    return out
+
+
+def candidates(domain: Domain, text: str, family: str | None, records: int,
+               points_file: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def add(f: str, params: dict[str, Any]) -> None:
+        for p in expand(domain, f, params):
+            if (f, p) not in seen:
+                seen.append((f, p))
+
+    for path in sorted((paths.ROOT / "tests" / "data").glob("sweep-*.json.gz")) if records else []:
+        ok = sorted((p for p in load_record(path).points
+                     if p.ok and (family is None or p.family == family)),
+                    key=lambda p: p.median_us)  # type: ignore[arg-type, return-value]
+        for p in ok[:records]:
+            add(p.family, dict(p.params))
+    if points_file:
+        for p in points_file["workloads"].get(text, []):
+            add(points_file.get("family", family or "mma"), dict(p))
+    return seen
+
+
+def main() -> None:
+    from evoengine.arch import arch_of_capability
+    from evoengine.search._gpu import _Worker
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", nargs="*", default=WORKLOADS, metavar="B,H,S,D[,causal]")
+    ap.add_argument("--dtypes", default="fp16,bf16")
+    ap.add_argument("--family", help="only this family's recorded points")
+    ap.add_argument("--records", type=int, default=6, help="best N points of each sweep")
+    ap.add_argument("--points", type=Path, help="JSON {family, workloads: {text: [params]}}")
+    ap.add_argument("--keep", type=int, default=4, help="fastest N re-timed interleaved")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    points_file = json.loads(args.points.read_text()) if args.points else None
+    spaces = default_spaces()
+    rows, info = [], None
+    for dtype in args.dtypes.split(","):
+        for text in args.workloads:
+            w = workload_of(text, dtype)
+            worker = _Worker(w.to_dict(), 0)
+            info = worker.info
+            arch = arch_of_capability(*info.capability)
+            domain = Domain(spaces, w, arch)
+            pts = candidates(domain, text, args.family, args.records, points_file)
+            cands = [domain.candidate(f, p) for f, p in pts]
+            timed, invalid = [], []
+            for cand, compiled in zip(cands, compile_many(cands, arch), strict=True):
+                if not compiled.ok:
+                    invalid.append({"params": cand.params, "reason": compiled.error})
+                    continue
+                r = worker.evaluate((cand, compiled))
+                if r["ok"]:
+                    timed.append((r["median_us"], cand, compiled))
+                else:
+                    invalid.append({"params": cand.params, "reason": r["reason"]})
+            timed.sort(key=lambda t: t[0])
+            top = timed[:args.keep]
+            final = worker.final(([(c, r) for _, c, r in top], args.rounds))
+            best = min(zip(final["candidates"], top, strict=True),
+                       key=lambda x: x[0]["median_us"])
+            t, (search_us, cand, compiled) = best
+            flash, cudnn = final["flash"], final["cudnn"]
+            row = {
+                "family": cand.family, "shape": [w.batch, w.heads, w.seq_q, w.head_dim],
+                "kv_heads": w.kv_heads, "seq_k": w.seq_k, "causal": w.causal, "dtype": dtype,
+                "ours_us": t["median_us"], "spread_us": t["spread_us"],
+                "sdpa_flash_us": flash, "sdpa_cudnn_us": cudnn,
+                "vs_flash": flash / t["median_us"] if flash else None,
+                "vs_cudnn": cudnn / t["median_us"] if cudnn else None,
+                "tflops": w.flops() / t["median_us"] / 1e6, "params": cand.params,
+                "identity": cand.identity, "registers": compiled.registers,
+                "spill_bytes": compiled.spill_bytes, "candidates": len(cands),
+                "valid": len(timed), "invalid": invalid,
+                "retimed": [{"params": c.params, "median_us": f["median_us"], "search_us": s}
+                            for f, (s, c, _) in zip(final["candidates"], top, strict=True)],
+            }
+            rows.append(row)
+            print(f"{dtype} {text:22} ours {row['ours_us']:8.1f} us  flash {flash or 0:8.1f}  "
+                  f"cudnn {cudnn or 0:8.1f}  x{row['vs_flash'] or 0:.2f} flash  "
+                  f"x{row['vs_cudnn'] or 0:.2f} cudnn  {row['tflops']:.0f} TFLOPS  "
+                  f"({len(timed)}/{len(cands)} valid)  {cand.params}", flush=True)
+    doc = {
+        "device": info.name if info else None, "driver": info.driver if info else None,
+        "versions": info.versions if info else None,
+        "commit": os.environ.get("EVO_COMMIT", "unknown"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "method": "each candidate: the criterion on validate.plan(workload), then CUDA events "
+                  "(10 warm-up, median of 50, inputs rotated past L2, graph replay under "
+                  f"15 GFLOP); the {args.keep} fastest re-timed {args.rounds} rounds interleaved "
+                  "with SDPA flash and cuDNN in the same process (medians over rounds)",
+        "candidates": f"best {args.records} of each recorded sweep in tests/data"
+                      + (f" + {args.points}" if args.points else "")
+                      + "; parameters added since a sweep expanded over their domains",
+        "rows": rows,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
