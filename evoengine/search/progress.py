@@ -27,8 +27,12 @@ class Tally:
     baseline: dict[str, float | None] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     first_eval: float | None = None
-    gpu_idle_s: float = 0.0  # time the GPU waited on the compiler
+    gpu_idle_s: float = 0.0  # time the GPUs waited on the compiler, summed over GPUs
     compiling: int = 0
+    per_gpu: dict[int, int] = field(default_factory=dict)  # evaluations by device
+    claimed_elsewhere: int = 0  # proposals another worker had claimed first
+    released: int = 0  # claims of dead workers' trials given back
+    claims_lost: int = 0  # measurements dropped: the trial was failed as stale meanwhile
 
     @property
     def finished(self) -> int:
@@ -71,6 +75,8 @@ class Progress:
         rate = t.evals_per_minute()
         if rate is not None:
             parts.append(f"{rate:.0f} evals/min")
+        if len(t.per_gpu) > 1:
+            parts.append(" ".join(f"gpu{d} {n}" for d, n in t.per_gpu.items()))
         if t.faults:
             parts.append(f"{t.faults} faults")
         parts.append(f"compiling {t.compiling}")
