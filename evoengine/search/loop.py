@@ -42,6 +42,8 @@ from concurrent.futures import (
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy import exc as sa_exc
+
 from evoengine import __version__, paths
 from evoengine.arch import Arch
 from evoengine.compile import CompileResult, compile_candidate, is_cached, nvrtc_version
@@ -207,10 +209,7 @@ def _search(config: SearchConfig, evaluator: Evaluator | None, progress: Progres
         domain = Domain(config.spaces, w, arch)
         study_name = config.study or default_study(arch, w)
         key = w.key()
-        storage = optuna.storages.RDBStorage(
-            store.url, heartbeat_interval=config.heartbeat_s, grace_period=config.grace_s,
-            engine_kwargs={"connect_args": {"timeout": 60}} if store.url.startswith("sqlite")
-            else {})
+        storage = _optuna_storage(store.url, config)
         taken: set[str] = set()  # measured or claimed by any worker: not to be proposed
         sampler = make_sampler(config.strategy, domain, seed=config.seed,
                                blocked=lambda: taken, seeds=_seeds(store, domain, key))
@@ -320,6 +319,7 @@ class _Loop:
                 while (self._may_start() and not self.waiting
                        and len(self.inflight) + len(self.ready) < self.lookahead):
                     self._start_one()
+                    self._heartbeat()
                 self.tally.compiling = len(self.inflight)
                 self._dispatch()
                 if self.inflight or self.evaluating:
@@ -344,6 +344,7 @@ class _Loop:
                     self.refresh()
                 self.progress.update(self.tally)
         finally:
+            self.tally.stopped = time.monotonic()
             self.progress.update(self.tally, force=True)
 
     def _start_one(self) -> None:
@@ -508,12 +509,10 @@ class _Loop:
                               run_id=self.run_id)
 
     def _tell(self, trial: Any, value: float) -> None:
-        import optuna
-
         try:
             self.study.tell(trial, value)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            pass  # failed as stale by another worker meanwhile; the store has the result
+        except (RuntimeError, ValueError):
+            self._unless_finished(trial)
 
     def _tell_fail(self, trial: Any, reason: str) -> None:
         import optuna
@@ -521,8 +520,14 @@ class _Loop:
         try:
             trial.set_user_attr(REASON_ATTR, reason[:1000])
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            pass
+        except (RuntimeError, ValueError):
+            self._unless_finished(trial)
+
+    def _unless_finished(self, trial: Any) -> None:
+        """Re-raise, unless another worker failed the trial as stale meanwhile (a long stall
+        here): then the store holds what this worker measured, and the trial stays failed."""
+        if not self.study._storage.get_trial(trial._trial_id).state.is_finished():
+            raise
 
     # ---- liveness and other workers ----------------------------------------------------
 
@@ -669,6 +674,25 @@ def _seeds(store: Store, domain: Domain, key: str) -> list[Point]:
     return seeds
 
 
+def _optuna_storage(url: str, config: SearchConfig) -> Any:
+    """Optuna's storage on the store's database. Optuna creates its tables on first use
+    without a lock, so workers starting together on a fresh database can collide (a
+    duplicate ``alembic_version`` row): the losers try again, and then find the tables."""
+    import optuna
+
+    for attempt in range(5):
+        try:
+            return optuna.storages.RDBStorage(
+                url, heartbeat_interval=config.heartbeat_s, grace_period=config.grace_s,
+                engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite")
+                else {})
+        except (optuna.exceptions.StorageInternalError, sa_exc.SQLAlchemyError):
+            if attempt == 4:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def _claim_study(study: Any, arch: Arch, w: Workload) -> None:
     """A study belongs to one (arch, workload): resuming it with another is refused."""
     mine = {"arch": arch.name, "workload": w.key()}
@@ -728,8 +752,6 @@ def _tally_dict(t: Tally) -> dict[str, Any]:
 
 def _per_gpu(t: Tally) -> dict[str, dict[str, float | int | None]]:
     """Evaluations and evaluations per minute of each GPU, over the same window as the
-    overall rate (from the first evaluation on)."""
-    minutes = None if t.first_eval is None else (time.monotonic() - t.first_eval) / 60
-    return {str(d): {"evaluated": n,
-                     "evals_per_minute": n / minutes if minutes and n >= 2 else None}
+    overall rate (first evaluation to the end of the search loop)."""
+    return {str(d): {"evaluated": n, "evals_per_minute": t.evals_per_minute(n)}
             for d, n in t.per_gpu.items()}

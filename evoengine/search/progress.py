@@ -27,6 +27,7 @@ class Tally:
     baseline: dict[str, float | None] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     first_eval: float | None = None
+    stopped: float | None = None  # time.monotonic() when the search loop ended
     gpu_idle_s: float = 0.0  # time the GPUs waited on the compiler, summed over GPUs
     compiling: int = 0
     per_gpu: dict[int, int] = field(default_factory=dict)  # evaluations by device
@@ -38,11 +39,19 @@ class Tally:
     def finished(self) -> int:
         return self.evaluated + self.compile_failed
 
-    def evals_per_minute(self) -> float | None:
-        if self.first_eval is None or self.evaluated < 2:
+    def search_minutes(self) -> float | None:
+        """Minutes from the first evaluation to the end of the search loop (or now)."""
+        if self.first_eval is None:
             return None
-        minutes = (time.monotonic() - self.first_eval) / 60
-        return self.evaluated / minutes if minutes > 0 else None
+        return ((self.stopped or time.monotonic()) - self.first_eval) / 60
+
+    def evals_per_minute(self, evaluated: int | None = None) -> float | None:
+        """Of all GPUs, or of ``evaluated`` evaluations over the same window."""
+        n = self.evaluated if evaluated is None else evaluated
+        minutes = self.search_minutes()
+        if minutes is None or n < 2:
+            return None
+        return n / minutes if minutes > 0 else None
 
 
 class Progress:
