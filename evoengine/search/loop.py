@@ -350,6 +350,7 @@ class _Loop:
     def _start_one(self) -> None:
         """Ask for one fresh, admitted point, claim it and send it to the compiler."""
         for _ in range(MAX_IDLE_PROPOSALS):
+            self._heartbeat()  # a long run of taken proposals must not starve in-flight trials
             if self._fresh_only and not self._fresh_left():
                 self.refresh()
                 if not self._fresh_left():
@@ -503,10 +504,8 @@ class _Loop:
             self._tell_fail(pending.trial, e.reason or "failed")
 
     def _update_elites(self) -> None:
-        top = self.store.ranked(arch=self.arch.name, workload_key=self.key,
-                                limit=self.config.elites)
-        self.store.set_elites(arch=self.arch.name, workload_key=self.key, entries=top,
-                              run_id=self.run_id)
+        self.store.update_elites(arch=self.arch.name, workload_key=self.key,
+                                 limit=self.config.elites, run_id=self.run_id)
 
     def _tell(self, trial: Any, value: float) -> None:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -546,6 +547,12 @@ class Store:
                limit: int | None = None) -> list[tuple[str, float]]:
         """``(identity, median_us)`` of every candidate with a valid measurement in runs on
         this target, fastest first, each at its fastest valid median."""
+        with self._session() as session:
+            return self._ranked(session, arch, workload_key, limit)
+
+    @staticmethod
+    def _ranked(session: Session, arch: str, workload_key: str,
+                limit: int | None) -> list[tuple[str, float]]:
         best = sa.func.min(Measurement.median_us)
         query = (
             sa.select(Candidate.identity, best)
@@ -557,8 +564,18 @@ class Store:
             .order_by(best, Candidate.identity)
             .limit(limit)
         )
+        return [(identity, float(us)) for identity, us in session.execute(query)]
+
+    def update_elites(self, *, arch: str, workload_key: str, limit: int,
+                      run_id: int | None = None) -> list[tuple[str, float]]:
+        """Make the elites of (arch, workload_key) the ``limit`` fastest of ``ranked``, read
+        and written in one transaction under the elites' lock, so concurrent workers never
+        write back a ranking older than the one they replace. Returns the new elites."""
         with self._session() as session:
-            return [(identity, float(us)) for identity, us in session.execute(query)]
+            self._lock_elites(session, arch, workload_key)
+            top = self._ranked(session, arch, workload_key, limit)
+            self._replace_elites(session, arch, workload_key, top, run_id)
+            return top
 
     # Elites
 
@@ -577,26 +594,39 @@ class Store:
         identities = [identity for identity, _ in entries]
         if len(set(identities)) != len(identities):
             raise ValueError(f"elites of {arch}/{workload_key} name a candidate twice")
-        now = utcnow()
         with self._session() as session:
-            if run_id is not None and session.get(Run, run_id) is None:
-                raise KeyError(f"no run {run_id}")
-            rows = [
-                Elite(
-                    arch=arch,
-                    workload_key=workload_key,
-                    rank=rank,
-                    candidate_id=self._require_candidate_id(session, identity),
-                    median_us=median_us,
-                    run_id=run_id,
-                    updated_at=now,
-                )
-                for rank, (identity, median_us) in enumerate(entries, start=1)
-            ]
-            session.execute(
-                sa.delete(Elite).where(Elite.arch == arch, Elite.workload_key == workload_key)
+            self._lock_elites(session, arch, workload_key)
+            self._replace_elites(session, arch, workload_key, entries, run_id)
+
+    @staticmethod
+    def _lock_elites(session: Session, arch: str, workload_key: str) -> None:
+        """Serialise replacing one target's elites: on PostgreSQL two workers' delete-then-
+        insert would otherwise collide on the rank; SQLite's write lock does it already."""
+        if session.get_bind().dialect.name == "postgresql":
+            key = zlib.crc32(f"evo_elites {arch} {workload_key}".encode())
+            session.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
+
+    def _replace_elites(self, session: Session, arch: str, workload_key: str,
+                        entries: list[tuple[str, float]], run_id: int | None) -> None:
+        now = utcnow()
+        if run_id is not None and session.get(Run, run_id) is None:
+            raise KeyError(f"no run {run_id}")
+        rows = [
+            Elite(
+                arch=arch,
+                workload_key=workload_key,
+                rank=rank,
+                candidate_id=self._require_candidate_id(session, identity),
+                median_us=median_us,
+                run_id=run_id,
+                updated_at=now,
             )
-            session.add_all(rows)
+            for rank, (identity, median_us) in enumerate(entries, start=1)
+        ]
+        session.execute(
+            sa.delete(Elite).where(Elite.arch == arch, Elite.workload_key == workload_key)
+        )
+        session.add_all(rows)
 
     def elites(
         self, *, arch: str | None = None, workload_key: str | None = None
