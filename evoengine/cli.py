@@ -143,13 +143,16 @@ def cmd_search(args: argparse.Namespace) -> int:
     arch = get_arch(args.arch) if args.arch else None
     if args.trials is not None and args.trials < 1:
         raise UsageError(f"--trials must be at least 1, got {args.trials}")
+    if args.heartbeat < 1:
+        raise UsageError(f"--heartbeat must be at least 1 second, got {args.heartbeat}")
     _cuda_or_fail("search")
     trials = args.trials if args.trials is not None or args.timeout is not None else 100
     config = SearchConfig(workload=workload, spaces=spaces, arch=arch, store=args.store,
                           study=args.study, strategy=args.sampler, trials=trials,
                           timeout_s=args.timeout, seed=args.seed, compile_workers=args.workers,
                           eval_timeout_s=args.eval_timeout, device=args.device or 0,
-                          gpus=args.gpus)
+                          gpus=args.gpus, heartbeat_s=args.heartbeat,
+                          grace_s=3 * args.heartbeat)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         budget = f"{trials} trials" if trials else f"{args.timeout:.0f} s"
@@ -286,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--gpus", type=_gpu_list, metavar="I,J,...",
                        help="one evaluator per listed GPU, fed by one compile pool and one "
                        "sampler (e.g. --gpus 0,1); not with --device")
+    s.add_argument("--heartbeat", type=int, default=60, metavar="SECONDS",
+                   help="heartbeat of running trials; a worker silent for 3x this (killed, "
+                   "host lost) has its trials failed and their points retried (default 60)")
     s.add_argument("--json", metavar="FILE", help="write the results JSON (device, rows...)")
     s.set_defaults(func=cmd_search)
 

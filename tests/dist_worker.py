@@ -5,8 +5,7 @@ It takes the arguments of ``evoengine search`` that the tests use, and runs ``se
 with fake GPUs (``DelayEvaluator``: ``--delay`` seconds per candidate, times from
 ``fake_time``) and the stub compiler, so several of these on one store behave like
 search hosts sharing a study without any GPU. ``--heartbeat S`` sets Optuna's heartbeat to
-S seconds and the grace period to 5 S (SQLite's clock has one-second steps, and a busy
-store may stall a worker for a second).
+S seconds and the grace period to 3 S, as ``evoengine search --heartbeat`` does.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     config = SearchConfig(workload=WORKLOAD, spaces=[SearchSpace.load(args.space)], arch=SM90,
                           store=args.store, study=args.study, trials=args.trials,
                           seed=args.seed, compile_workers=args.workers, gpus=gpus,
-                          heartbeat_s=args.heartbeat, grace_s=5 * args.heartbeat,
+                          heartbeat_s=args.heartbeat, grace_s=3 * args.heartbeat,
                           refresh_s=min(10.0, args.heartbeat))
     result = search(config, evaluator=[DelayEvaluator(args.delay) for _ in gpus],
                     progress=Progress(1.0, stream=sys.stderr, every_s=2.0),

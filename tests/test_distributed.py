@@ -78,12 +78,14 @@ def domain_identities(space: Path) -> set[str]:
 
 def start_worker(url: str, space: Path, tmp_path: Path, i: int, *, delay: float,
                  trials: int = 100) -> subprocess.Popen[str]:
-    """One search worker process. With the replay evaluator this becomes
-    ``[sys.executable, "-m", "evoengine", "search", "--replay", FILE, ...]`` (and
-    ``domain_identities`` the record's points)."""
-    cmd = [sys.executable, "-m", "tests.dist_worker", "--store", url, "--space", str(space),
-           "--trials", str(trials), "--seed", str(i), "--heartbeat", "1", "--delay", str(delay),
-           "--json", str(tmp_path / f"worker{i}.json")]
+    """One search worker process. The arguments are ``evoengine search``'s: with the replay
+    evaluator the first line becomes ``[sys.executable, "-m", "evoengine", "search",
+    "--replay", FILE, "--shape", ...]`` without ``--delay`` (and ``domain_identities`` the
+    record's points). Heartbeat 2 s, grace 6 s: SQLite's clock (Optuna's heartbeat) has
+    one-second steps and a busy store stalls a writer for over a second."""
+    cmd = [sys.executable, "-m", "tests.dist_worker", "--delay", str(delay),
+           "--store", url, "--space", str(space), "--trials", str(trials), "--seed", str(i),
+           "--heartbeat", "2", "--json", str(tmp_path / f"worker{i}.json")]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -169,7 +171,7 @@ def test_concurrent_workers_share_a_study(url: str, tmp_path: Path) -> None:
 
 def test_a_killed_worker_loses_and_duplicates_nothing(url: str, tmp_path: Path) -> None:
     """SIGKILL one of three workers while it holds claims: its RUNNING trials stop
-    heartbeating, a surviving worker fails them (grace 5 s) and releases their claims,
+    heartbeating, a surviving worker fails them (grace 6 s) and releases their claims,
     and the points are measured by a survivor, once."""
     space = space36(tmp_path)
     victim = start_worker(url, space, tmp_path, 0, delay=0.3)
@@ -185,11 +187,21 @@ def test_a_killed_worker_loses_and_duplicates_nothing(url: str, tmp_path: Path) 
     assert victim.poll() is None, "the victim finished before it could be killed"
     victim.send_signal(signal.SIGKILL)
     victim.wait()
+    killed_at = time.monotonic()
     held = _claims_of(url, owner)
     orphaned = {i for i, measured_at in held.items() if measured_at is None}
     assert orphaned
     for p in survivors:
         finish(p)
+    # A trial the victim asked for but had not claimed yet holds no point, so no survivor
+    # waits for it; it goes stale after the grace period like the others, and the next
+    # worker to start (or one still running) fails it: do what it does.
+    time.sleep(max(0.0, killed_at + 6 + 2 - time.monotonic()))
+    storage = optuna.storages.RDBStorage(url, heartbeat_interval=2, grace_period=6)
+    with Store(url) as store:
+        study_name = store.runs()[-1].study
+    optuna.storages.fail_stale_trials(optuna.load_study(study_name=study_name,
+                                                        storage=storage))
     seen = check_study(url, domain_identities(space))
     assert seen["stale"]  # the victim's trials, failed by the heartbeat check
     by = {m.identity: m.run_id for m in seen["measurements"]}
