@@ -156,6 +156,8 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     if args.trials is not None and args.trials < 1:
         raise UsageError(f"--trials must be at least 1, got {args.trials}")
+    if args.heartbeat < 1:
+        raise UsageError(f"--heartbeat must be at least 1 second, got {args.heartbeat}")
     spaces = _spaces(args.space)  # reject a bad workload or space before looking for a GPU
     run_kw: dict = {}
     if args.replay:
@@ -171,7 +173,9 @@ def cmd_search(args: argparse.Namespace) -> int:
     config = SearchConfig(workload=workload, spaces=spaces, arch=arch, store=store,
                           study=args.study, strategy=args.sampler, trials=trials,
                           timeout_s=args.timeout, seed=args.seed, compile_workers=args.workers,
-                          eval_timeout_s=args.eval_timeout, device=args.device)
+                          eval_timeout_s=args.eval_timeout, device=args.device or 0,
+                          gpus=args.gpus, heartbeat_s=args.heartbeat,
+                          grace_s=3 * args.heartbeat)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         budget = f"{trials} trials" if trials else f"{args.timeout:.0f} s"
@@ -187,11 +191,13 @@ def cmd_search(args: argparse.Namespace) -> int:
     t = result.tally
     print(elite_table(result.rows))
     rate = t.evals_per_minute()
+    per_gpu = ", ".join(f"GPU {d}: {n}" for d, n in t.per_gpu.items())
     print(f"\nstudy {result.study}, run {result.run_id} ({result.status}"
           f"{': ' + result.stopped_because if result.stopped_because else ''}): "
           f"{t.evaluated} evaluated, {t.valid} valid, {t.compile_failed} compile errors, "
           f"{t.faults} faults; {t.cold_compiles} compiled, {t.cached_compiles} from cache"
-          + (f"; {rate:.0f} evals/min" if rate else ""), file=sys.stderr)
+          + (f"; {rate:.0f} evals/min" if rate else "")
+          + (f" ({per_gpu})" if len(t.per_gpu) > 1 else ""), file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(result.evidence(), indent=1) + "\n")
     return 130 if result.status == "interrupted" else 0
@@ -272,6 +278,18 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 90s, 10m, 2h)") from None
 
 
+def _gpu_list(text: str) -> list[int]:
+    """Device indices from '0,1,3': distinct, non-negative."""
+    try:
+        devices = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of GPU indices: {text!r} "
+                                         "(try 0,1)") from None
+    if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
+        raise argparse.ArgumentTypeError(f"GPU indices must be distinct and >= 0: {text!r}")
+    return devices
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="evoengine",
@@ -320,7 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compiler processes (default: cores - 1)")
     s.add_argument("--eval-timeout", type=_duration, default=30.0, metavar="SECONDS",
                    help="a candidate with no answer after this long is a hang (default 30s)")
-    s.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    where = s.add_mutually_exclusive_group()
+    where.add_argument("--device", type=int, default=None,
+                       help="CUDA device index (default 0)")
+    where.add_argument("--gpus", type=_gpu_list, metavar="I,J,...",
+                       help="one evaluator per listed GPU, fed by one compile pool and one "
+                       "sampler (e.g. --gpus 0,1); not with --device")
+    s.add_argument("--heartbeat", type=int, default=60, metavar="SECONDS",
+                   help="heartbeat of running trials; a worker silent for 3x this (killed, "
+                   "host lost) has its trials failed and their points retried (default 60)")
     s.add_argument("--json", metavar="FILE", help="write the results JSON (device, rows...)")
     s.add_argument("--replay", metavar="FILE",
                    help="no GPU: answer from a recorded sweep (evoengine record); the "

@@ -321,6 +321,7 @@ def test_only_evo_tables_are_created_and_others_left_alone(db: Path) -> None:
         "evo_compile_reports",
         "evo_measurements",
         "evo_elites",
+        "evo_claims",
     }
 
 

@@ -5,6 +5,19 @@ The store is the state. Optuna's study lives in the same database (its own table
 the ``evo_*`` ones), every measurement is written as it is taken, and the elites are
 rewritten whenever they change, so an interrupted search loses at most the trials that were
 still compiling, and running the same study again resumes it.
+
+Many GPUs, many hosts. ``SearchConfig.gpus`` gives one process one evaluator per local GPU,
+each driven by its own thread, all fed by the one compile pool and one sampler: the
+process's cores compile for every GPU (N processes on one host would each want cores-1
+compilers, or a split by hand), the sampler sees every point in flight, and all database
+writes stay on the main thread. Each GPU keeps its own worker process, so a fault or hang
+costs one trial on that GPU only. Other hosts run the same search on the same store URL
+(PostgreSQL) and join the study. What keeps them from measuring a point twice is the
+store's claim (``Store.claim``: a unique row per (arch, workload, identity), inserted in its
+own transaction before the point is compiled); the measurement settles the claim in its own
+transaction. A worker killed outright leaves RUNNING trials that stop heartbeating: any
+running worker fails them after the grace period (``fail_stale_trials``, checked every
+heartbeat interval) and releases their unmeasured claims, so the points are proposed again.
 """
 
 from __future__ import annotations
@@ -14,13 +27,22 @@ import datetime
 import multiprocessing as mp
 import os
 import signal
+import socket
 import subprocess
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
 from dataclasses import dataclass, field
 from typing import Any
+
+from sqlalchemy import exc as sa_exc
 
 from evoengine import __version__, paths
 from evoengine.arch import Arch
@@ -37,7 +59,7 @@ from evoengine.search.samplers import (
     proposes_only_fresh,
 )
 from evoengine.space import SearchSpace
-from evoengine.store import Store
+from evoengine.store import ClaimLost, Store
 from evoengine.workload import Workload
 
 ELITES = 5
@@ -65,8 +87,17 @@ class SearchConfig:
     compile_workers: int | None = None  # None: all cores but one
     eval_timeout_s: float = 30.0
     device: int = 0
+    gpus: Sequence[int] | None = None  # one evaluator per device; None: ``device`` alone
     elites: int = ELITES
     final_rounds: int = FINAL_ROUNDS
+    # Optuna's heartbeat: a RUNNING trial with no heartbeat for grace_s is failed (by any
+    # worker of the study, checked every heartbeat_s) and its point may be taken again.
+    heartbeat_s: int = 60
+    grace_s: int = 180
+    refresh_s: float = 10.0  # how often other workers' claims are read back for the sampler
+
+    def devices(self) -> list[int]:
+        return list(self.gpus) if self.gpus else [self.device]
 
 
 @dataclass
@@ -98,6 +129,16 @@ class SearchResult:
 
 
 @dataclass
+class _Gpu:
+    """One device's evaluator and the thread that drives it."""
+
+    device: int
+    evaluator: Evaluator
+    thread: ThreadPoolExecutor
+    busy: bool = False
+
+
+@dataclass
 class _Pending:
     trial: Any  # optuna.Trial
     family: str
@@ -110,17 +151,18 @@ def default_study(arch: Arch, workload: Workload) -> str:
     return f"{arch.name}-{workload.key()}"
 
 
-def search(config: SearchConfig, *, evaluator: Evaluator | None = None,
+def search(config: SearchConfig, *, evaluator: Evaluator | Sequence[Evaluator] | None = None,
            progress: Progress | None = None,
            compile_fn: Callable[[Candidate, str], CompileResult] = compile_candidate,
            domain: Domain | None = None) -> SearchResult:
     """Run (or resume) a search; see the module docstring. Ctrl-C stops it cleanly.
 
-    ``evaluator`` defaults to a ``GpuEvaluator`` on ``config.device``; ``compile_fn`` (run in
+    ``evaluator`` defaults to a ``GpuEvaluator`` on each of ``config.devices()``; a sequence
+    gives one evaluator per device (the first re-times the elites). ``compile_fn`` (run in
     the compiler processes, so a module-level function or a picklable object) defaults to
     NVRTC with the disk cache. ``domain`` defaults to every admitted point of
     ``config.spaces``; it must be of ``config.workload`` and the search's arch. Tests and the
-    replay (``search.replay``) replace all three to run the loop without a GPU.
+    replay (``search.replay``) replace them to run the loop without a GPU.
     """
     import optuna
 
@@ -139,16 +181,34 @@ def _search(config: SearchConfig, evaluator: Evaluator | None, progress: Progres
     import optuna
 
     w = config.workload
+    devices = config.devices()
+    if len(set(devices)) != len(devices):
+        raise SearchError(f"GPUs {devices} name a device twice")
     own_evaluator = evaluator is None
-    evaluator = evaluator or GpuEvaluator(w, device=config.device,
-                                          timeout_s=config.eval_timeout_s)
+    if evaluator is None:
+        evaluators: list[Evaluator] = [GpuEvaluator(w, device=d, timeout_s=config.eval_timeout_s)
+                                       for d in devices]
+    elif isinstance(evaluator, Evaluator):
+        evaluators = [evaluator]
+    else:
+        evaluators = list(evaluator)
+    if len(evaluators) != len(devices):
+        if config.gpus:
+            raise SearchError(f"{len(evaluators)} evaluators for GPUs {devices}")
+        devices = list(range(len(evaluators)))
+    gpus = [_Gpu(d, e, ThreadPoolExecutor(1, thread_name_prefix=f"evoengine-gpu{d}"))
+            for d, e in zip(devices, evaluators, strict=True)]
     store = Store(config.store)
     try:
-        info = evaluator.start()
+        starting = [g.thread.submit(g.evaluator.start) for g in gpus]  # in parallel
+        infos = [f.result() for f in starting]
+        info = infos[0]
         arch = config.arch or _arch_of(info)
-        if not arch.runs_on(*info.capability):
-            raise SearchError(f"--arch {arch.name} cannot run on this GPU ({info.name}, "
-                              f"compute capability {info.capability[0]}.{info.capability[1]})")
+        for d, i in zip(devices, infos, strict=True):
+            if not arch.runs_on(*i.capability):
+                raise SearchError(f"--arch {arch.name} cannot run on this GPU (device {d}: "
+                                  f"{i.name}, compute capability "
+                                  f"{i.capability[0]}.{i.capability[1]})")
         if domain is None:
             domain = Domain(config.spaces, w, arch)
         elif domain.workload != w or domain.arch != arch:
@@ -156,30 +216,28 @@ def _search(config: SearchConfig, evaluator: Evaluator | None, progress: Progres
                               f"the search of {w.key()} on {arch.name}")
         study_name = config.study or default_study(arch, w)
         key = w.key()
-        measured = store.measured_identities(arch=arch.name, workload_key=key)
-        storage = optuna.storages.RDBStorage(
-            store.url, heartbeat_interval=60, grace_period=180,
-            engine_kwargs={"connect_args": {"timeout": 60}} if store.url.startswith("sqlite")
-            else {})
+        storage = _optuna_storage(store.url, config)
+        taken: set[str] = set()  # measured or claimed by any worker: not to be proposed
         sampler = make_sampler(config.strategy, domain, seed=config.seed,
-                               blocked=lambda: measured, seeds=_seeds(store, domain, key))
+                               blocked=lambda: taken, seeds=_seeds(store, domain, key))
         study = optuna.create_study(study_name=study_name, storage=storage, sampler=sampler,
                                     direction="minimize", load_if_exists=True)
         _claim_study(study, arch, w)
-        optuna.storages.fail_stale_trials(study)
         run_id = store.start_run(arch=arch.name, workload=w.to_dict(), workload_key=key,
                                  device=info.name, versions=_versions(info), commit=_commit(),
                                  study=study_name)
         tally = Tally(planned=config.trials)
+        tally.per_gpu = {d: 0 for d in devices}
         if config.timeout_s is not None:
             tally.deadline = time.monotonic() + config.timeout_s
-        tally.baseline = evaluator.baseline()
+        tally.baseline = gpus[0].evaluator.baseline()
         progress = progress or Progress(w.flops())
         ranked = store.ranked(arch=arch.name, workload_key=key, limit=1)
         if ranked:
             tally.best_us, tally.best_identity = ranked[0][1], ranked[0][0]
-        loop = _Loop(config, domain, study, store, evaluator, run_id, tally, progress, measured,
+        loop = _Loop(config, domain, study, store, gpus, run_id, tally, progress, taken,
                      compile_fn)
+        loop.reap()  # a killed run's trials and claims, before anything is proposed
         status = "done"
         try:
             loop.run()
@@ -192,7 +250,8 @@ def _search(config: SearchConfig, evaluator: Evaluator | None, progress: Progres
         rows: list[dict[str, Any]] = []
         if status == "done":
             try:
-                rows = _final(config, domain, store, evaluator, run_id, tally, compile_fn)
+                rows = _final(config, domain, store, gpus[0].evaluator, run_id, tally,
+                              compile_fn)
             except KeyboardInterrupt:
                 status = "interrupted"
         if not rows:
@@ -201,38 +260,46 @@ def _search(config: SearchConfig, evaluator: Evaluator | None, progress: Progres
         return SearchResult(run_id, study_name, arch.name, w, info, tally, status, rows,
                             loop.stopped_because)
     finally:
-        if own_evaluator:
-            evaluator.close()
+        for g in gpus:
+            if own_evaluator:
+                g.evaluator.close()
+            g.thread.shutdown(wait=False, cancel_futures=True)
         store.close()
 
 
 class _Loop:
     def __init__(self, config: SearchConfig, domain: Domain, study: Any, store: Store,
-                 evaluator: Evaluator, run_id: int, tally: Tally, progress: Progress,
-                 measured: set[str],
+                 gpus: list[_Gpu], run_id: int, tally: Tally, progress: Progress,
+                 taken: set[str],
                  compile_fn: Callable[[Candidate, str], CompileResult]) -> None:
         self.config = config
         self.compile_fn = compile_fn
         self.domain = domain
         self.study = study
         self.store = store
-        self.evaluator = evaluator
+        self.gpus = gpus
         self.run_id = run_id
         self.tally = tally
         self.progress = progress
-        self.measured = measured  # shared with the sampler: identities not to propose again
+        self.taken = taken  # shared with the sampler: identities not to propose
+        self.measured: set[str] = set()
         self.key = domain.workload.key()
         self.arch = domain.arch
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self.workers = config.compile_workers or max(1, (os.cpu_count() or 2) - 1)
-        self.lookahead = min(max(4, 2 * self.workers), 32)
+        self.lookahead = min(max(4, 2 * self.workers, 2 * len(gpus)), 32)
         self.inflight: dict[Future[CompileResult], _Pending] = {}
         self.ready: collections.deque[tuple[_Pending, CompileResult]] = collections.deque()
+        self.evaluating: dict[Future[Evaluation], tuple[_Pending, _Gpu]] = {}
         self.started = 0
         self.exhausted = False
+        self.waiting = False  # nothing fresh, but other workers hold open claims
         self.stopped_because = ""
         self._pool: ProcessPoolExecutor | None = None
         self._fresh_only = proposes_only_fresh(study.sampler)
-        self._last_beat = time.monotonic()
+        self._beat_s = max(1.0, config.heartbeat_s / 3)
+        self._last_beat = self._last_reap = self._last_refresh = time.monotonic()
+        self.refresh()
 
     # ---- budget -------------------------------------------------------------------------
 
@@ -255,31 +322,49 @@ class _Loop:
                                          initializer=_ignore_sigint)
         try:
             while True:
-                while self._may_start() and len(self.inflight) + len(self.ready) < self.lookahead:
+                self.waiting = False
+                while (self._may_start() and not self.waiting
+                       and len(self.inflight) + len(self.ready) < self.lookahead):
                     self._start_one()
+                    self._heartbeat()
                 self.tally.compiling = len(self.inflight)
-                if self.ready:
-                    self._evaluate(*self.ready[0])
-                    self.ready.popleft()
-                elif self.inflight:
+                self._dispatch()
+                if self.inflight or self.evaluating:
+                    idle = sum(not g.busy for g in self.gpus)
                     waited = time.monotonic()
-                    done, _ = wait(list(self.inflight), timeout=5.0, return_when=FIRST_COMPLETED)
-                    self.tally.gpu_idle_s += time.monotonic() - waited
+                    done, _ = wait([*self.inflight, *self.evaluating],
+                                   timeout=min(5.0, self._beat_s), return_when=FIRST_COMPLETED)
+                    self.tally.gpu_idle_s += (time.monotonic() - waited) * idle
                     for future in done:
-                        self._compiled(future)
+                        if future in self.inflight:
+                            self._compiled(future)  # type: ignore[arg-type]
+                        else:
+                            self._evaluated(future)  # type: ignore[arg-type]
+                elif self.waiting and self._may_start():
+                    time.sleep(min(1.0, self._beat_s))  # for other workers' claims to settle
                 else:
                     break
                 self._heartbeat()
+                if time.monotonic() - self._last_reap >= self.config.heartbeat_s:
+                    self.reap()
+                elif time.monotonic() - self._last_refresh >= self.config.refresh_s:
+                    self.refresh()
                 self.progress.update(self.tally)
         finally:
+            self.tally.stopped = time.monotonic()
             self.progress.update(self.tally, force=True)
 
     def _start_one(self) -> None:
-        """Ask for one fresh, admitted point and send it to the compiler."""
+        """Ask for one fresh, admitted point, claim it and send it to the compiler."""
         for _ in range(MAX_IDLE_PROPOSALS):
+            self._heartbeat()  # a long run of taken proposals must not starve in-flight trials
             if self._fresh_only and not self._fresh_left():
-                break
+                self.refresh()
+                if not self._fresh_left():
+                    break
             trial = self.study.ask()
+            # At once, so a trial of a worker killed from here on is failed as stale later.
+            self.study._storage.record_heartbeat(trial._trial_id)
             family, params = self.domain.suggest(trial)
             bad = self.domain.violations(family, params)
             if bad:
@@ -288,9 +373,17 @@ class _Loop:
                 continue
             identity = self.domain.identity(family, params)
             trial.set_user_attr(IDENTITY_ATTR, identity)
-            if identity in self.measured or self._in_flight(identity):
+            if identity in self.taken or self._in_flight(identity):
                 self._answer_from_store(trial, identity)
                 continue
+            if not self.store.claim(arch=self.arch.name, workload_key=self.key,
+                                    identity=identity, run_id=self.run_id,
+                                    trial_id=trial._trial_id, owner=self.owner):
+                self.taken.add(identity)
+                self.tally.claimed_elsewhere += 1
+                self._tell_fail(trial, f"{NOT_EVALUATED}: another worker claimed it first")
+                continue
+            self.taken.add(identity)
             candidate = self.domain.candidate(family, params)
             cached = is_cached(candidate, self.arch)
             assert self._pool is not None
@@ -298,20 +391,28 @@ class _Loop:
             self.inflight[future] = _Pending(trial, family, params, candidate, cached)
             self.started += 1
             return
+        if self._fresh_only and self.taken - self.measured - self._mine():
+            self.waiting = True  # other workers' points: measured soon, or released if dead
+            return
         self.exhausted = True
         self.stopped_because = self.stopped_because or (
             "every admitted candidate has been measured" if self._fresh_only
             else f"{MAX_IDLE_PROPOSALS} proposals in a row were rejected or already measured")
 
+    def _pending(self) -> list[_Pending]:
+        return [*self.inflight.values(), *(p for p, _ in self.ready),
+                *(p for p, _ in self.evaluating.values())]
+
+    def _mine(self) -> set[str]:
+        return {p.candidate.identity for p in self._pending()}
+
     def _fresh_left(self) -> bool:
-        """Whether some admitted point is neither measured nor on its way."""
-        taken = {p.candidate.identity for p in self.inflight.values()}
-        taken |= {p.candidate.identity for p, _ in self.ready}
-        return any(i not in self.measured and i not in taken for i, _ in self.domain.items())
+        """Whether some admitted point is neither taken nor on its way here."""
+        mine = self._mine()
+        return any(i not in self.taken and i not in mine for i, _ in self.domain.items())
 
     def _in_flight(self, identity: str) -> bool:
-        return any(p.candidate.identity == identity for p in self.inflight.values()) or any(
-            p.candidate.identity == identity for p, _ in self.ready)
+        return any(p.candidate.identity == identity for p in self._pending())
 
     def _answer_from_store(self, trial: Any, identity: str) -> None:
         """A point measured before (or being measured): tell the sampler what is known."""
@@ -319,8 +420,10 @@ class _Loop:
         ranked = dict(self.store.ranked(arch=self.arch.name, workload_key=self.key))
         if identity in ranked:
             self.study.tell(trial, ranked[identity])
-        else:
-            self._tell_fail(trial, "measured before: failed or in flight (see the store)")
+        elif identity in self.measured:
+            self._tell_fail(trial, "measured before: failed (see the store)")
+        else:  # another worker's, or this one's, in flight: may be needed again if it dies
+            self._tell_fail(trial, f"{NOT_EVALUATED}: in flight (claimed)")
 
     def _compiled(self, future: Future[CompileResult]) -> None:
         pending = self.inflight.pop(future)
@@ -340,14 +443,30 @@ class _Loop:
         self.tally.compile_failed += 1
         self._record(pending, Evaluation(False, reason=f"compile error: {result.error}"))
 
-    def _evaluate(self, pending: _Pending, compiled: CompileResult) -> None:
-        if self.tally.first_eval is None:
-            self.tally.first_eval = time.monotonic()
-        evaluation = self.evaluator.evaluate(pending.candidate, compiled)
+    def _dispatch(self) -> None:
+        """Hand compiled candidates to idle GPUs; each GPU's thread blocks on its worker."""
+        for gpu in self.gpus:
+            if not self.ready:
+                return
+            if gpu.busy:
+                continue
+            pending, compiled = self.ready.popleft()
+            if self.tally.first_eval is None:
+                self.tally.first_eval = time.monotonic()
+            gpu.busy = True
+            future = gpu.thread.submit(gpu.evaluator.evaluate, pending.candidate, compiled)
+            self.evaluating[future] = (pending, gpu)
+
+    def _evaluated(self, future: Future[Evaluation]) -> None:
+        pending, gpu = self.evaluating[future]
+        evaluation = future.result()  # an evaluator's own error (or a test's Ctrl-C) stops
+        del self.evaluating[future]
+        gpu.busy = False
         self.tally.evaluated += 1
+        self.tally.per_gpu[gpu.device] = self.tally.per_gpu.get(gpu.device, 0) + 1
         if evaluation.fault:
             self.tally.faults += 1
-        self._record(pending, evaluation)
+        self._record(pending, evaluation, gpu.device)
 
     # ---- recording ----------------------------------------------------------------------
 
@@ -363,20 +482,29 @@ class _Loop:
                                       compile_seconds=result.seconds, error=result.error,
                                       compiler=nvrtc_version())
 
-    def _record(self, pending: _Pending, e: Evaluation) -> None:
-        """Write the measurement first, then tell Optuna: a crash between the two leaves a
-        measured point that the next run will not measure again."""
+    def _record(self, pending: _Pending, e: Evaluation, device: int | None = None) -> None:
+        """Write the measurement (settling the claim) first, then tell Optuna: a crash
+        between the two leaves a measured point that no worker will measure again."""
         identity = pending.candidate.identity
         tflops = self.domain.workload.flops() / e.median_us / 1e6 if e.ok and e.median_us else None
-        self.store.add_measurement(
-            self.run_id, identity, ok=e.ok, reason=e.reason, median_us=e.median_us,
-            spread_us=e.spread_us, max_err=e.max_err, tolerance=e.tolerance, tflops=tflops,
-            extra={"phase": "search", "trial": pending.trial.number, "reps": e.reps,
-                   "graph": e.graph, "seconds": round(e.seconds, 3), "fault": e.fault})
+        extra = {"phase": "search", "trial": pending.trial.number, "reps": e.reps,
+                 "graph": e.graph, "seconds": round(e.seconds, 3), "fault": e.fault}
+        if device is not None:
+            extra["gpu"] = device
+        try:
+            self.store.add_measurement(
+                self.run_id, identity, ok=e.ok, reason=e.reason, median_us=e.median_us,
+                spread_us=e.spread_us, max_err=e.max_err, tolerance=e.tolerance, tflops=tflops,
+                extra=extra, trial_id=pending.trial._trial_id)
+        except ClaimLost as lost:  # this trial was failed as stale; another worker has it
+            self.tally.claims_lost += 1
+            self._tell_fail(pending.trial, f"{NOT_EVALUATED}: {lost}")
+            return
         self.measured.add(identity)
+        self.taken.add(identity)
         if e.ok and e.median_us is not None:
             self.tally.valid += 1
-            self.study.tell(pending.trial, e.median_us)
+            self._tell(pending.trial, e.median_us)
             if self.tally.best_us is None or e.median_us < self.tally.best_us:
                 self.tally.best_us, self.tally.best_identity = e.median_us, identity
             self._update_elites()
@@ -384,36 +512,92 @@ class _Loop:
             self._tell_fail(pending.trial, e.reason or "failed")
 
     def _update_elites(self) -> None:
-        top = self.store.ranked(arch=self.arch.name, workload_key=self.key,
-                                limit=self.config.elites)
-        self.store.set_elites(arch=self.arch.name, workload_key=self.key, entries=top,
-                              run_id=self.run_id)
+        self.store.update_elites(arch=self.arch.name, workload_key=self.key,
+                                 limit=self.config.elites, run_id=self.run_id)
+
+    def _tell(self, trial: Any, value: float) -> None:
+        try:
+            self.study.tell(trial, value)
+        except (RuntimeError, ValueError):
+            self._unless_finished(trial)
 
     def _tell_fail(self, trial: Any, reason: str) -> None:
         import optuna
 
-        trial.set_user_attr(REASON_ATTR, reason[:1000])
-        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        try:
+            trial.set_user_attr(REASON_ATTR, reason[:1000])
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        except (RuntimeError, ValueError):
+            self._unless_finished(trial)
+
+    def _unless_finished(self, trial: Any) -> None:
+        """Re-raise, unless another worker failed the trial as stale meanwhile (a long stall
+        here): then the store holds what this worker measured, and the trial stays failed."""
+        if not self.study._storage.get_trial(trial._trial_id).state.is_finished():
+            raise
+
+    # ---- liveness and other workers ----------------------------------------------------
 
     def _heartbeat(self) -> None:
-        if time.monotonic() - self._last_beat < 20:
+        if time.monotonic() - self._last_beat < self._beat_s:
             return
         self._last_beat = time.monotonic()
         storage = self.study._storage
-        for p in [*self.inflight.values(), *(p for p, _ in self.ready)]:
+        for p in self._pending():
             storage.record_heartbeat(p.trial._trial_id)
 
+    def refresh(self) -> None:
+        """Read back what every worker has measured or claimed (for the sampler)."""
+        self._last_refresh = time.monotonic()
+        self.measured = self.store.measured_identities(arch=self.arch.name,
+                                                       workload_key=self.key)
+        taken = self.store.taken_identities(arch=self.arch.name, workload_key=self.key)
+        self.taken.clear()
+        self.taken.update(taken)
+
+    def reap(self) -> None:
+        """Fail the study's trials whose worker stopped heartbeating (killed, or its host
+        lost), and release the claims of every finished trial that measured nothing, so
+        their points can be taken again."""
+        import optuna
+
+        self._last_reap = time.monotonic()
+        optuna.storages.fail_stale_trials(self.study)
+        storage = self.study._storage
+        mine = self._mine()
+        dead = []
+        for identity, trial_id in self.store.open_claims(arch=self.arch.name,
+                                                         workload_key=self.key).items():
+            if identity in mine:
+                continue
+            try:
+                finished = trial_id is None or storage.get_trial(trial_id).state.is_finished()
+            except KeyError:  # the study was deleted
+                finished = True
+            if finished:
+                dead.append(identity)
+        if dead:
+            self.tally.released += self.store.release_claims(
+                arch=self.arch.name, workload_key=self.key, identities=dead)
+        self.refresh()
+
     def abandon(self) -> None:
-        """Fail the trials that never reached the GPU (interrupted): nothing was measured, so
-        a later run may propose them again."""
-        pending = [*self.inflight.values(), *(p for p, _ in self.ready)]
+        """Fail the trials that were not measured (interrupted) and give back their claims:
+        nothing was measured, so a later run (or another worker) may propose them again."""
+        pending = self._pending()
         self.inflight.clear()
         self.ready.clear()
+        self.evaluating.clear()
         for p in pending:
             try:
                 self._tell_fail(p.trial, f"{NOT_EVALUATED}: the search stopped first")
             except Exception:  # noqa: BLE001 (best effort while stopping)
                 pass
+        try:
+            self.store.release_claims(arch=self.arch.name, workload_key=self.key,
+                                      identities=[p.candidate.identity for p in pending])
+        except Exception:  # noqa: BLE001 (the heartbeat releases them later)
+            pass
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -497,6 +681,25 @@ def _seeds(store: Store, domain: Domain, key: str) -> list[Point]:
     return seeds
 
 
+def _optuna_storage(url: str, config: SearchConfig) -> Any:
+    """Optuna's storage on the store's database. Optuna creates its tables on first use
+    without a lock, so workers starting together on a fresh database can collide (a
+    duplicate ``alembic_version`` row): the losers try again, and then find the tables."""
+    import optuna
+
+    for attempt in range(5):
+        try:
+            return optuna.storages.RDBStorage(
+                url, heartbeat_interval=config.heartbeat_s, grace_period=config.grace_s,
+                engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite")
+                else {})
+        except (optuna.exceptions.StorageInternalError, sa_exc.SQLAlchemyError):
+            if attempt == 4:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def _claim_study(study: Any, arch: Arch, w: Workload) -> None:
     """A study belongs to one (arch, workload): resuming it with another is refused."""
     mine = {"arch": arch.name, "workload": w.key()}
@@ -547,6 +750,15 @@ def _tally_dict(t: Tally) -> dict[str, Any]:
         "rejected": t.rejected, "cached_compiles": t.cached_compiles,
         "cold_compiles": t.cold_compiles, "evals_per_minute": t.evals_per_minute(),
         "gpu_waited_on_compiler_s": round(t.gpu_idle_s, 2),
+        "claimed_elsewhere": t.claimed_elsewhere, "claims_released": t.released,
+        "claims_lost": t.claims_lost, "gpus": _per_gpu(t),
         "wall_s": round(time.monotonic() - t.started, 2),
         "sdpa_flash_us": t.baseline.get("flash"), "sdpa_cudnn_us": t.baseline.get("cudnn"),
     }
+
+
+def _per_gpu(t: Tally) -> dict[str, dict[str, float | int | None]]:
+    """Evaluations and evaluations per minute of each GPU, over the same window as the
+    overall rate (first evaluation to the end of the search loop)."""
+    return {str(d): {"evaluated": n, "evals_per_minute": t.evals_per_minute(n)}
+            for d, n in t.per_gpu.items()}

@@ -27,18 +27,31 @@ class Tally:
     baseline: dict[str, float | None] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     first_eval: float | None = None
-    gpu_idle_s: float = 0.0  # time the GPU waited on the compiler
+    stopped: float | None = None  # time.monotonic() when the search loop ended
+    gpu_idle_s: float = 0.0  # time the GPUs waited on the compiler, summed over GPUs
     compiling: int = 0
+    per_gpu: dict[int, int] = field(default_factory=dict)  # evaluations by device
+    claimed_elsewhere: int = 0  # proposals another worker had claimed first
+    released: int = 0  # claims of dead workers' trials given back
+    claims_lost: int = 0  # measurements dropped: the trial was failed as stale meanwhile
 
     @property
     def finished(self) -> int:
         return self.evaluated + self.compile_failed
 
-    def evals_per_minute(self) -> float | None:
-        if self.first_eval is None or self.evaluated < 2:
+    def search_minutes(self) -> float | None:
+        """Minutes from the first evaluation to the end of the search loop (or now)."""
+        if self.first_eval is None:
             return None
-        minutes = (time.monotonic() - self.first_eval) / 60
-        return self.evaluated / minutes if minutes > 0 else None
+        return ((self.stopped or time.monotonic()) - self.first_eval) / 60
+
+    def evals_per_minute(self, evaluated: int | None = None) -> float | None:
+        """Of all GPUs, or of ``evaluated`` evaluations over the same window."""
+        n = self.evaluated if evaluated is None else evaluated
+        minutes = self.search_minutes()
+        if minutes is None or n < 2:
+            return None
+        return n / minutes if minutes > 0 else None
 
 
 class Progress:
@@ -71,6 +84,8 @@ class Progress:
         rate = t.evals_per_minute()
         if rate is not None:
             parts.append(f"{rate:.0f} evals/min")
+        if len(t.per_gpu) > 1:
+            parts.append(" ".join(f"gpu{d} {n}" for d, n in t.per_gpu.items()))
         if t.faults:
             parts.append(f"{t.faults} faults")
         parts.append(f"compiling {t.compiling}")

@@ -52,7 +52,8 @@ def trial_identity(domain: Domain, trial: FrozenTrial) -> str | None:
 class EvoSampler(BaseSampler):
     """A genetic algorithm over a ``Domain``'s admitted points (options: module docstring).
 
-    ``blocked()`` returns identities that must not be proposed (measured in the store);
+    ``blocked()`` returns identities that must not be proposed (measured in the store, or
+    claimed there by a search worker);
     ``seeds`` are points tried first (the elites of related workloads). Proposes nothing
     (an empty dict) when every admitted point is taken; the search checks that first.
     """
@@ -100,8 +101,11 @@ class EvoSampler(BaseSampler):
         out = set(self._blocked())
         for t in trials:
             if t.state == TrialState.FAIL and str(
-                    t.user_attrs.get(REASON_ATTR, "")).startswith(NOT_EVALUATED):
-                continue  # never measured: may be proposed again
+                    t.user_attrs.get(REASON_ATTR, NOT_EVALUATED)).startswith(NOT_EVALUATED):
+                # Never measured (stopped first, or claimed by another worker), or failed
+                # with no reason: its worker died and the heartbeat check failed it. The
+                # store's measurements and claims, in ``blocked``, say what is taken.
+                continue
             identity = trial_identity(self.domain, t)
             if identity is not None:
                 out.add(identity)

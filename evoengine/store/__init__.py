@@ -6,7 +6,7 @@ from ``records``. The schema lives in ``models`` and evolves through ``migration
 
 from __future__ import annotations
 
-from evoengine.store._sql import DEFAULT_URL, Store
+from evoengine.store._sql import DEFAULT_URL, ClaimLost, Store
 from evoengine.store.migrations import LATEST_VERSION
 from evoengine.store.records import (
     CandidateRecord,
@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_URL",
     "LATEST_VERSION",
     "CandidateRecord",
+    "ClaimLost",
     "CompileReportRecord",
     "EliteRecord",
     "MeasurementRecord",

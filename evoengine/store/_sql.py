@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,7 @@ from evoengine.store import migrations
 from evoengine.store.models import (
     RUN_STATUSES,
     Candidate,
+    Claim,
     CompileReport,
     Elite,
     Measurement,
@@ -181,6 +183,11 @@ def _elite_record(row: Elite) -> EliteRecord:
         run_id=row.run_id,
         updated_at=row.updated_at,
     )
+
+
+class ClaimLost(RuntimeError):
+    """A measurement's trial no longer holds the claim on its candidate: another worker
+    took the candidate after this trial was failed as stale. Nothing was written."""
 
 
 class Store:
@@ -411,11 +418,21 @@ class Store:
         tolerance: float | None = None,
         tflops: float | None = None,
         extra: Any | None = None,
+        trial_id: int | None = None,
     ) -> int:
-        """Record one measurement (or failure, with its ``reason``); returns its id."""
+        """Record one measurement (or failure, with its ``reason``); returns its id.
+
+        With ``trial_id`` (the search's Optuna trial), the same transaction settles that
+        trial's claim on the candidate for the run's target (see ``claim``), taking it
+        afresh if it was released meanwhile; when another trial holds it now, nothing is
+        written and ``ClaimLost`` is raised, so a candidate is never measured twice.
+        """
         with self._session() as session:
-            if session.get(Run, run_id) is None:
+            run = session.get(Run, run_id)
+            if run is None:
                 raise KeyError(f"no run {run_id}")
+            if trial_id is not None:
+                self._settle_claim(session, run, identity, trial_id)
             row = Measurement(
                 run_id=run_id,
                 candidate_id=self._require_candidate_id(session, identity),
@@ -464,10 +481,78 @@ class Store:
         with self._session() as session:
             return set(session.scalars(query))
 
+    @staticmethod
+    def _measured(arch: str, workload_key: str) -> sa.Select[tuple[str]]:
+        """Identities with a measurement in runs on this target, as a subquery."""
+        return (
+            sa.select(Candidate.identity)
+            .join(Measurement, Measurement.candidate_id == Candidate.id)
+            .join(Run, Measurement.run_id == Run.id)
+            .where(Run.arch == arch, Run.workload_key == workload_key)
+        )
+
+    # Claims: which worker takes which candidate (see ``models.Claim``)
+
+    def claim(self, *, arch: str, workload_key: str, identity: str, run_id: int,
+              trial_id: int | None = None, owner: str | None = None) -> bool:
+        """Take ``identity`` for this target, atomically across processes and hosts.
+
+        True when this call inserted the claim; False when another worker (or an earlier
+        trial) holds it. One transaction of its own, so the claim is visible to every other
+        worker before the candidate is compiled.
+        """
+        try:
+            with self._session() as session:
+                session.add(Claim(arch=arch, workload_key=workload_key, identity=identity,
+                                  run_id=run_id, trial_id=trial_id, owner=owner))
+        except IntegrityError:
+            return False
+        return True
+
+    def release_claims(self, *, arch: str, workload_key: str, identities: list[str]) -> int:
+        """Give back claims on candidates that were never measured on this target (a measured
+        candidate keeps its claim); returns how many were released."""
+        if not identities:
+            return 0
+        with self._session() as session:
+            done = session.execute(
+                sa.delete(Claim).where(
+                    Claim.arch == arch, Claim.workload_key == workload_key,
+                    Claim.identity.in_(identities), Claim.measured_at.is_(None),
+                    Claim.identity.not_in(self._measured(arch, workload_key)),
+                )
+            )
+            return int(done.rowcount or 0)  # type: ignore[attr-defined]
+
+    def open_claims(self, *, arch: str, workload_key: str) -> dict[str, int | None]:
+        """``{identity: trial id}`` of the claims on this target not yet measured: the
+        candidates some worker is compiling or evaluating now (or was, when it died)."""
+        query = sa.select(Claim.identity, Claim.trial_id).where(
+            Claim.arch == arch, Claim.workload_key == workload_key, Claim.measured_at.is_(None),
+        )
+        with self._session() as session:
+            return {identity: trial_id for identity, trial_id in session.execute(query)}
+
+    def taken_identities(self, *, arch: str, workload_key: str) -> set[str]:
+        """Identities measured or claimed on this target: what no worker should propose."""
+        query = sa.union(
+            self._measured(arch, workload_key),
+            sa.select(Claim.identity).where(Claim.arch == arch,
+                                            Claim.workload_key == workload_key),
+        )
+        with self._session() as session:
+            return set(session.scalars(query))
+
     def ranked(self, *, arch: str, workload_key: str,
                limit: int | None = None) -> list[tuple[str, float]]:
         """``(identity, median_us)`` of every candidate with a valid measurement in runs on
         this target, fastest first, each at its fastest valid median."""
+        with self._session() as session:
+            return self._ranked(session, arch, workload_key, limit)
+
+    @staticmethod
+    def _ranked(session: Session, arch: str, workload_key: str,
+                limit: int | None) -> list[tuple[str, float]]:
         best = sa.func.min(Measurement.median_us)
         query = (
             sa.select(Candidate.identity, best)
@@ -479,8 +564,18 @@ class Store:
             .order_by(best, Candidate.identity)
             .limit(limit)
         )
+        return [(identity, float(us)) for identity, us in session.execute(query)]
+
+    def update_elites(self, *, arch: str, workload_key: str, limit: int,
+                      run_id: int | None = None) -> list[tuple[str, float]]:
+        """Make the elites of (arch, workload_key) the ``limit`` fastest of ``ranked``, read
+        and written in one transaction under the elites' lock, so concurrent workers never
+        write back a ranking older than the one they replace. Returns the new elites."""
         with self._session() as session:
-            return [(identity, float(us)) for identity, us in session.execute(query)]
+            self._lock_elites(session, arch, workload_key)
+            top = self._ranked(session, arch, workload_key, limit)
+            self._replace_elites(session, arch, workload_key, top, run_id)
+            return top
 
     # Elites
 
@@ -499,26 +594,39 @@ class Store:
         identities = [identity for identity, _ in entries]
         if len(set(identities)) != len(identities):
             raise ValueError(f"elites of {arch}/{workload_key} name a candidate twice")
-        now = utcnow()
         with self._session() as session:
-            if run_id is not None and session.get(Run, run_id) is None:
-                raise KeyError(f"no run {run_id}")
-            rows = [
-                Elite(
-                    arch=arch,
-                    workload_key=workload_key,
-                    rank=rank,
-                    candidate_id=self._require_candidate_id(session, identity),
-                    median_us=median_us,
-                    run_id=run_id,
-                    updated_at=now,
-                )
-                for rank, (identity, median_us) in enumerate(entries, start=1)
-            ]
-            session.execute(
-                sa.delete(Elite).where(Elite.arch == arch, Elite.workload_key == workload_key)
+            self._lock_elites(session, arch, workload_key)
+            self._replace_elites(session, arch, workload_key, entries, run_id)
+
+    @staticmethod
+    def _lock_elites(session: Session, arch: str, workload_key: str) -> None:
+        """Serialise replacing one target's elites: on PostgreSQL two workers' delete-then-
+        insert would otherwise collide on the rank; SQLite's write lock does it already."""
+        if session.get_bind().dialect.name == "postgresql":
+            key = zlib.crc32(f"evo_elites {arch} {workload_key}".encode())
+            session.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
+
+    def _replace_elites(self, session: Session, arch: str, workload_key: str,
+                        entries: list[tuple[str, float]], run_id: int | None) -> None:
+        now = utcnow()
+        if run_id is not None and session.get(Run, run_id) is None:
+            raise KeyError(f"no run {run_id}")
+        rows = [
+            Elite(
+                arch=arch,
+                workload_key=workload_key,
+                rank=rank,
+                candidate_id=self._require_candidate_id(session, identity),
+                median_us=median_us,
+                run_id=run_id,
+                updated_at=now,
             )
-            session.add_all(rows)
+            for rank, (identity, median_us) in enumerate(entries, start=1)
+        ]
+        session.execute(
+            sa.delete(Elite).where(Elite.arch == arch, Elite.workload_key == workload_key)
+        )
+        session.add_all(rows)
 
     def elites(
         self, *, arch: str | None = None, workload_key: str | None = None
@@ -534,6 +642,29 @@ class Store:
             return [_elite_record(row) for row in session.scalars(query)]
 
     # Helpers, called inside an open session
+
+    @staticmethod
+    def _settle_claim(session: Session, run: Run, identity: str, trial_id: int) -> None:
+        """Mark ``trial_id``'s claim measured, under a row lock (PostgreSQL re-checks a
+        concurrent ``release_claims`` against the updated row, so it keeps it)."""
+        claim = session.scalar(
+            sa.select(Claim)
+            .where(Claim.arch == run.arch, Claim.workload_key == run.workload_key,
+                   Claim.identity == identity)
+            .with_for_update()
+        )
+        if claim is None:  # released (its trial was failed as stale): take it again
+            claim = Claim(arch=run.arch, workload_key=run.workload_key, identity=identity,
+                          run_id=run.id, trial_id=trial_id)
+            try:
+                with session.begin_nested():
+                    session.add(claim)
+            except IntegrityError:
+                raise ClaimLost(f"{identity} was claimed again by another worker") from None
+        elif claim.trial_id != trial_id:
+            raise ClaimLost(f"{identity} is claimed by trial {claim.trial_id}, "
+                            f"not {trial_id}")
+        claim.measured_at = utcnow()
 
     @staticmethod
     def _candidate_id(session: Session, identity: str) -> int | None:

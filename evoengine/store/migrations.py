@@ -129,9 +129,38 @@ def add_elites_tflops_and_notes(conn: Connection) -> None:
     _add_column(conn, "evo_runs", sa.Column("notes", sa.JSON))
 
 
+def add_claims(conn: Connection) -> None:
+    """Step 3: ``evo_claims``, one row per candidate a search worker has taken for a target.
+
+    The unique constraint is what makes a claim atomic across processes and hosts: the
+    second worker to insert the same (arch, workload, identity) gets an integrity error.
+    ``measured_at`` is set in the transaction that writes the measurement.
+    """
+    md = sa.MetaData()
+    sa.Table("evo_runs", md, sa.Column("id", sa.Integer, primary_key=True))
+    claims = sa.Table(
+        "evo_claims",
+        md,
+        sa.Column("id", sa.Integer, primary_key=True),
+        sa.Column("arch", sa.String, nullable=False),
+        sa.Column("workload_key", sa.String, nullable=False),
+        sa.Column("identity", sa.String, nullable=False),
+        sa.Column("run_id", sa.Integer, sa.ForeignKey("evo_runs.id"), nullable=False),
+        sa.Column("trial_id", sa.Integer, nullable=True),
+        sa.Column("owner", sa.String, nullable=True),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("measured_at", sa.DateTime(timezone=True), nullable=True),
+        sa.UniqueConstraint(
+            "arch", "workload_key", "identity", name="uq_evo_claims_arch_workload_identity"
+        ),
+    )
+    claims.create(conn, checkfirst=False)
+
+
 MIGRATIONS: tuple[Callable[[Connection], None], ...] = (
     create_initial_tables,
     add_elites_tflops_and_notes,
+    add_claims,
 )
 LATEST_VERSION = len(MIGRATIONS)
 

@@ -159,3 +159,28 @@ class Elite(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     candidate: Mapped[Candidate] = relationship()
+
+
+class Claim(Base):
+    """A candidate taken by one search worker for one (arch, workload): inserted before it
+    is compiled, so no two workers (processes or hosts) evaluate the same point. It stays
+    once the candidate is measured; it is deleted when its trial ends unmeasured (stopped,
+    or failed by a stale heartbeat), so another worker may take the point again."""
+
+    __tablename__ = "evo_claims"
+    __table_args__ = (
+        sa.UniqueConstraint(
+            "arch", "workload_key", "identity", name="uq_evo_claims_arch_workload_identity"
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    arch: Mapped[str] = mapped_column(sa.String)
+    workload_key: Mapped[str] = mapped_column(sa.String)
+    identity: Mapped[str] = mapped_column(sa.String)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("evo_runs.id"))
+    trial_id: Mapped[int | None] = mapped_column(sa.Integer)  # Optuna's trial id
+    owner: Mapped[str | None] = mapped_column(sa.String)  # host:pid
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Set with the measurement, in its transaction; a claim with it set is never released.
+    measured_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
