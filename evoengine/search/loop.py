@@ -319,7 +319,7 @@ class _Loop:
     def run(self) -> None:
         self._pool = ProcessPoolExecutor(max_workers=self.workers,
                                          mp_context=mp.get_context("spawn"),
-                                         initializer=_ignore_sigint)
+                                         initializer=_compiler_init)
         try:
             while True:
                 self.waiting = False
@@ -739,8 +739,16 @@ def _commit() -> str | None:
         return None
 
 
-def _ignore_sigint() -> None:
+def _compiler_init() -> None:
+    """A compiler process: Ctrl-C is the parent's to handle, and it runs niced, since the
+    compilers can fill every core while the GPU workers and this loop (whose every delay idles
+    a GPU) need a core each. Seen on 2 H200s and 32 cores, 31 compilers cold: two GPUs gave
+    1.55x the evaluations per minute of one, while the GPUs never waited on a compile."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        os.nice(10)
+    except OSError:
+        pass
 
 
 def _tally_dict(t: Tally) -> dict[str, Any]:

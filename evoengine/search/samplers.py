@@ -26,6 +26,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import optuna
 from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler, RandomSampler
@@ -75,6 +76,7 @@ class EvoSampler(BaseSampler):
         self.immigrants = immigrants
         self.balanced = balanced and not random_only
         self._fallback = RandomSampler(seed=seed)
+        self._encodings: dict[str, Any] = {}
 
     # ---- Optuna's interface -------------------------------------------------------------
 
@@ -177,20 +179,32 @@ class EvoSampler(BaseSampler):
         if (not self.domain.violations(family, child)
                 and self.domain.identity(family, child) not in seen):
             return family, child
-        domains = self.domain.spaces[family].parameters
-        best: list[dict[str, Any]] = []
-        best_d = float("inf")
-        for p in self.domain.points[family]:
-            if self.domain.identity(family, p) in seen:
-                continue
-            d = sum(_distance(domains[n], child[n], p[n]) for n in domains)
-            if d < best_d:
-                best, best_d = [p], d
-            elif d == best_d:
-                best.append(p)
-        if best:
+        points, identities, columns = self._encoded(family)
+        distance = np.zeros(len(points))
+        for n, (values, ordered, idx) in columns.items():  # declared order, as summed before
+            i = _index(values, child[n])
+            distance += np.abs(idx - i) / (len(values) - 1) if ordered else (idx != i)
+        distance[[k for k, ident in enumerate(identities) if ident in seen]] = np.inf
+        best_d = distance.min() if len(points) else np.inf
+        if np.isfinite(best_d):
+            best = [points[k] for k in np.flatnonzero(distance == best_d)]
             return family, self._rng.choice(best)
         return self._random_unseen(seen)
+
+
+    def _encoded(self, family: str) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
+        """The family's admitted points, their identities, and per parameter the index of
+        each point's value (numpy), computed once: repair measures distances to all of them
+        for every child, so this is the sampler's hot path."""
+        if family not in self._encodings:
+            points = self.domain.points[family]
+            columns = {}
+            for n, values in self.domain.spaces[family].parameters.items():
+                ordered = _ordered(values) and len(values) > 1
+                columns[n] = (values, ordered, np.array([_index(values, p[n]) for p in points]))
+            self._encodings[family] = (
+                points, [self.domain.identity(family, p) for p in points], columns)
+        return self._encodings[family]
 
 
 def _index(values: Sequence[Any], value: Any) -> int:
@@ -202,12 +216,6 @@ def _index(values: Sequence[Any], value: Any) -> int:
 
 def _ordered(values: Sequence[Any]) -> bool:
     return all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
-
-
-def _distance(values: Sequence[Any], a: Any, b: Any) -> float:
-    if _ordered(values) and len(values) > 1:
-        return abs(_index(values, a) - _index(values, b)) / (len(values) - 1)
-    return 0.0 if (type(a) is type(b) and a == b) else 1.0
 
 
 def make_sampler(name: str, domain: Domain, *, seed: int | None = None,
