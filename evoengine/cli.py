@@ -175,7 +175,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                           timeout_s=args.timeout, seed=args.seed, compile_workers=args.workers,
                           eval_timeout_s=args.eval_timeout, device=args.device or 0,
                           gpus=args.gpus, heartbeat_s=args.heartbeat,
-                          grace_s=3 * args.heartbeat)
+                          grace_s=3 * args.heartbeat, refresh_s=min(10.0, args.heartbeat))
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         budget = f"{trials} trials" if trials else f"{args.timeout:.0f} s"

@@ -1,8 +1,9 @@
 """The search spread over GPUs, processes and hosts: claims make every candidate measured at
 most once, a worker killed with SIGKILL loses nothing, SQLite takes several writers.
 
-Workers are separate OS processes (``tests/dist_worker.py``: ``search()`` with fake GPUs and
-the stub compiler), as separate hosts would be. The same tests run on PostgreSQL when
+Workers are separate OS processes running ``evoengine search --replay`` on 36 points of the
+H100 sweep shipped in tests/data (the replay evaluator, with a delay per evaluation standing
+in for the GPU), as separate hosts would be. The same tests run on PostgreSQL when
 ``EVO_TEST_POSTGRES`` names a server (``.ci/run`` starts one): each test gets a database of
 its own there.
 """
@@ -19,6 +20,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,8 @@ import pytest
 import sqlalchemy as sa
 
 from evoengine import paths
-from evoengine.search import Domain, Progress, SearchConfig, search
+from evoengine.search import Progress, SearchConfig, search
+from evoengine.search.replay import load_record, replay_domain, save_record
 from evoengine.space import SearchSpace
 from evoengine.store import Store
 from tests.dist_worker import DelayEvaluator
@@ -72,19 +75,30 @@ def space36(tmp_path: Path) -> Path:
     return path
 
 
-def domain_identities(space: Path) -> set[str]:
-    return {i for i, _ in Domain([SearchSpace.load(space)], WORKLOAD, SM90).items()}
+SHIPPED = ROOT / "tests" / "data" / "sweep-sm_90a-b16-h16-kv16-sq2048-sk2048-d64-full-fp16.json.gz"
+REPLAY_KEY = load_record(SHIPPED).workload.key()
 
 
-def start_worker(url: str, space: Path, tmp_path: Path, i: int, *, delay: float,
+def record36(tmp_path: Path) -> Path:
+    """36 mma points of the shipped H100 sweep (their measured times and outcomes): few
+    enough for a few workers to exhaust."""
+    rec = load_record(SHIPPED)
+    points = tuple(p for p in rec.points if p.family == "mma")[:36]
+    return save_record(replace(rec, points=points), tmp_path / "sweep36.json.gz")
+
+
+def domain_identities(record: Path) -> set[str]:
+    return {i for i, _ in replay_domain(load_record(record)).items()}
+
+
+def start_worker(url: str, record: Path, tmp_path: Path, i: int, *, delay: float,
                  trials: int = 100) -> subprocess.Popen[str]:
-    """One search worker process. The arguments are ``evoengine search``'s: with the replay
-    evaluator the first line becomes ``[sys.executable, "-m", "evoengine", "search",
-    "--replay", FILE, "--shape", ...]`` without ``--delay`` (and ``domain_identities`` the
-    record's points). Heartbeat 2 s, grace 6 s: SQLite's clock (Optuna's heartbeat) has
+    """One search worker process: ``evoengine search --replay``, ``delay`` seconds per
+    evaluation. Heartbeat 2 s, grace 6 s: SQLite's clock (Optuna's heartbeat) has
     one-second steps and a busy store stalls a writer for over a second."""
-    cmd = [sys.executable, "-m", "tests.dist_worker", "--delay", str(delay),
-           "--store", url, "--space", str(space), "--trials", str(trials), "--seed", str(i),
+    cmd = [sys.executable, "-m", "evoengine", "search", "--replay", str(record),
+           "--replay-delay", str(delay), "--workers", "1",
+           "--store", url, "--trials", str(trials), "--seed", str(i),
            "--heartbeat", "2", "--json", str(tmp_path / f"worker{i}.json")]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -102,7 +116,7 @@ def check_study(url: str, expected: set[str]) -> dict[str, Any]:
     measurements; no open claim left."""
     with Store(url) as store:
         ms = [m for m in store.measurements() if m.extra["phase"] == "search"]
-        open_claims = store.open_claims(arch=SM90.name, workload_key=WORKLOAD.key())
+        open_claims = store.open_claims(arch=SM90.name, workload_key=REPLAY_KEY)
         runs = {r.id: r for r in store.runs()}
     counts = Counter(m.identity for m in ms)
     assert [i for i, n in counts.items() if n > 1] == []  # nothing measured twice
@@ -161,11 +175,11 @@ def test_claims_are_unique_under_races(url: str) -> None:
 def test_concurrent_workers_share_a_study(url: str, tmp_path: Path) -> None:
     """Four processes write the loop's pattern to one store at once: none fails, and the
     36 points are measured once each."""
-    space = space36(tmp_path)
-    procs = [start_worker(url, space, tmp_path, i, delay=0.02) for i in range(4)]
+    record = record36(tmp_path)
+    procs = [start_worker(url, record, tmp_path, i, delay=0.02) for i in range(4)]
     outs = [finish(p) for p in procs]
     assert not any("Traceback" in o or "locked" in o for o in outs)
-    seen = check_study(url, domain_identities(space))
+    seen = check_study(url, domain_identities(record))
     assert len(seen["runs"]) == 4
 
 
@@ -173,10 +187,10 @@ def test_a_killed_worker_loses_and_duplicates_nothing(url: str, tmp_path: Path) 
     """SIGKILL one of three workers while it holds claims: its RUNNING trials stop
     heartbeating, a surviving worker fails them (grace 6 s) and releases their claims,
     and the points are measured by a survivor, once."""
-    space = space36(tmp_path)
-    victim = start_worker(url, space, tmp_path, 0, delay=0.3)
+    record = record36(tmp_path)
+    victim = start_worker(url, record, tmp_path, 0, delay=0.3)
     owner = f"{socket.gethostname()}:{victim.pid}"
-    survivors = [start_worker(url, space, tmp_path, i, delay=0.3) for i in (1, 2)]
+    survivors = [start_worker(url, record, tmp_path, i, delay=0.3) for i in (1, 2)]
     held: dict[str, Any] = {}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and victim.poll() is None:
@@ -202,7 +216,7 @@ def test_a_killed_worker_loses_and_duplicates_nothing(url: str, tmp_path: Path) 
         study_name = store.runs()[-1].study
     optuna.storages.fail_stale_trials(optuna.load_study(study_name=study_name,
                                                         storage=storage))
-    seen = check_study(url, domain_identities(space))
+    seen = check_study(url, domain_identities(record))
     assert seen["stale"]  # the victim's trials, failed by the heartbeat check
     by = {m.identity: m.run_id for m in seen["measurements"]}
     assert all(by[i] not in _runs_of(url, owner) for i in orphaned)  # retried elsewhere
