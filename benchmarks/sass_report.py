@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -35,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evoengine import paths  # noqa: E402
 from evoengine.arch import get_arch  # noqa: E402
-from evoengine.compile import compile_many  # noqa: E402
+from evoengine.compile import (
+    compile_many,  # noqa: E402
+    cuobjdump_path,  # noqa: E402
+)
 from evoengine.render import Candidate, make_candidate  # noqa: E402
 from evoengine.space import SearchSpace  # noqa: E402
 
@@ -47,20 +49,10 @@ LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*
 
 
 def find_cuobjdump() -> str:
-    """cuobjdump from PATH, the CUDA toolkit, or the nvidia-cuda-cuobjdump wheel."""
-    import shutil
-
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    roots = [Path(os.environ[v]) for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
-    roots.append(Path("/usr/local/cuda"))
-    for entry in sys.path:
-        roots.extend(sorted(Path(entry).glob("nvidia/cu*")))
-    for root in roots:
-        if (root / "bin" / "cuobjdump").is_file():
-            return str(root / "bin" / "cuobjdump")
-    raise SystemExit("cuobjdump not found (PATH, CUDA_HOME or the nvidia-cuda-cuobjdump wheel)")
+    found = cuobjdump_path()
+    if found is None:
+        raise SystemExit("cuobjdump not found (PATH, CUDA_HOME or the nvidia-cuda-cuobjdump wheel)")
+    return found
 
 
 Instr = tuple[int, str, str, str]  # address, predicate, opcode with modifiers, operands

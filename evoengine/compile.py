@@ -196,3 +196,22 @@ def compile_many(candidates: Iterable[Candidate], arch: Arch | str,
         return
     with ProcessPoolExecutor(max_workers=workers) as pool:
         yield from pool.map(_compile_job, jobs)
+
+
+def cuobjdump_path() -> str | None:
+    """cuobjdump (to read a cubin's SASS) from PATH, the CUDA toolkit, or the
+    nvidia-cuda-cuobjdump wheel; None when there is none."""
+    import shutil
+    import sys
+
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    roots = [Path(os.environ[v]) for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    roots.append(Path("/usr/local/cuda"))
+    for entry in sys.path:
+        roots.extend(sorted(Path(entry).glob("nvidia/cu*")))
+    for root in roots:
+        if (root / "bin" / "cuobjdump").is_file():
+            return str(root / "bin" / "cuobjdump")
+    return None

@@ -7,9 +7,7 @@ No GPU is needed; the SASS checks run where ``cuobjdump`` is found and skip else
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,7 +29,13 @@ from evoengine._standalone import (
     tma_params,
 )
 from evoengine.arch import Arch, get_arch
-from evoengine.compile import CompileResult, compile_candidate, compile_many, compile_source
+from evoengine.compile import (
+    CompileResult,
+    compile_candidate,
+    compile_many,
+    compile_source,
+    cuobjdump_path,
+)
 from evoengine.render import Candidate, make_candidate, render
 from evoengine.space import SearchSpace, default_spaces, spread
 
@@ -57,22 +61,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # ---- the SASS ---------------------------------------------------------------------------------
 
 
-def find_cuobjdump() -> str | None:
-    """cuobjdump from PATH, the CUDA toolkit, or the nvidia-cuda-cuobjdump wheel."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    roots = [Path(os.environ[v]) for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
-    roots.append(Path("/usr/local/cuda"))
-    for entry in sys.path:
-        roots.extend(sorted(Path(entry).glob("nvidia/cu*")))
-    for root in roots:
-        if (root / "bin" / "cuobjdump").is_file():
-            return str(root / "bin" / "cuobjdump")
-    return None
-
-
-CUOBJDUMP = find_cuobjdump()
+CUOBJDUMP = cuobjdump_path()
 _OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", re.M)
 
 
