@@ -289,6 +289,39 @@ def test_exhausting_the_domain_stops_the_search(tmp_path: Path) -> None:
     assert "every admitted candidate" in result.stopped_because
 
 
+def test_elites_are_the_fastest_measured_when_a_search_stops_early(tmp_path: Path) -> None:
+    result = run(config(tmp_path, trials=30), FakeEvaluator(interrupt_after=18))
+    assert result.status == "interrupted"
+    with Store(f"sqlite:///{tmp_path / 'evo.db'}") as store:
+        elites = store.elites(arch="sm_90a", workload_key=WORKLOAD.key())
+        ranked = store.ranked(arch="sm_90a", workload_key=WORKLOAD.key(), limit=5)
+    assert [(e.identity, e.median_us) for e in elites] == ranked
+
+
+@pytest.mark.parametrize("strategy", ["evo", "tpe"])
+def test_trials_look_the_same_whichever_way_they_are_created(tmp_path: Path,
+                                                             strategy: str) -> None:
+    """Our samplers' trials are written in one transaction, Optuna's through ask and
+    suggest: the study shows the same parameters, distributions and identity either way."""
+    result = run(config(tmp_path, strategy=strategy, trials=8), FakeEvaluator())
+    url = f"sqlite:///{tmp_path / 'evo.db'}"
+    domain = Domain([mma()], WORKLOAD, SM90)
+    dists = domain.distributions()
+    with Store(url) as store:
+        numbers = {m.identity: m.extra["trial"] for m in store.measurements(run_id=result.run_id)
+                   if m.extra["phase"] == "search"}
+    trials = optuna.load_study(study_name=result.study, storage=url).trials
+    assert len(trials) >= 8
+    for t in trials:
+        point = domain.from_trial_params(t.params)
+        assert point is not None and list(t.params) == list(domain.to_trial_params(*point))
+        assert t.distributions == {n: dists[n] for n in t.params}
+        if t.state == optuna.trial.TrialState.COMPLETE:
+            assert t.user_attrs["identity"] == domain.identity(*point)
+            assert numbers[t.user_attrs["identity"]] == t.number
+            assert t.datetime_start is not None and t.datetime_complete is not None
+
+
 @pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "evo"])
 def test_other_strategies_run_the_same_loop(tmp_path: Path, strategy: str) -> None:
     result = run(config(tmp_path, strategy=strategy, trials=15), FakeEvaluator())

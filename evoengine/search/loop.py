@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -255,6 +256,9 @@ def _search(config: SearchConfig, evaluator: Evaluator | None, progress: Progres
             except KeyboardInterrupt:
                 status = "interrupted"
         if not rows:
+            if tally.valid:  # the loop rewrote them only when they changed; settle them
+                store.update_elites(arch=arch.name, workload_key=key, limit=config.elites,
+                                    run_id=run_id)
             rows = _rows_from_store(store, domain, arch, key, config.elites, tally)
         store.finish_run(run_id, status)
         return SearchResult(run_id, study_name, arch.name, w, info, tally, status, rows,
@@ -297,6 +301,8 @@ class _Loop:
         self.stopped_because = ""
         self._pool: ProcessPoolExecutor | None = None
         self._fresh_only = proposes_only_fresh(study.sampler)
+        self._distributions = domain.distributions()
+        self._elite_bar = math.inf  # a valid time must beat this to enter the elites
         self._beat_s = max(1.0, config.heartbeat_s / 3)
         self._last_beat = self._last_reap = self._last_refresh = time.monotonic()
         self.refresh()
@@ -362,17 +368,12 @@ class _Loop:
                 self.refresh()
                 if not self._fresh_left():
                     break
-            trial = self.study.ask()
-            # At once, so a trial of a worker killed from here on is failed as stale later.
-            self.study._storage.record_heartbeat(trial._trial_id)
-            family, params = self.domain.suggest(trial)
-            bad = self.domain.violations(family, params)
+            trial, family, params, bad = self._ask()
             if bad:
                 self.tally.rejected += 1
                 self._tell_fail(trial, "rejected by the search space: " + "; ".join(bad))
                 continue
             identity = self.domain.identity(family, params)
-            trial.set_user_attr(IDENTITY_ATTR, identity)
             if identity in self.taken or self._in_flight(identity):
                 self._answer_from_store(trial, identity)
                 continue
@@ -398,6 +399,43 @@ class _Loop:
         self.stopped_because = self.stopped_because or (
             "every admitted candidate has been measured" if self._fresh_only
             else f"{MAX_IDLE_PROPOSALS} proposals in a row were rejected or already measured")
+
+    def _ask(self) -> tuple[Any, str, dict[str, Any], list[str]]:
+        """A new RUNNING trial, heartbeating, that holds its point (and, if admitted, its
+        identity): ``(trial, family, params, violations)``.
+
+        Our samplers propose first, and the trial is created with its parameters and
+        identity in one transaction (as ``Study.add_trial`` does): what ``ask`` and one
+        ``suggest`` per parameter would write in a dozen. Optuna's samplers, and ours when
+        nothing fresh is left, go through ``ask`` and ``suggest``. The loop never enqueues
+        trials, so no waiting trial is skipped.
+        """
+        import optuna
+
+        point = self.study.sampler.next_point(self.study) if self._fresh_only else None
+        storage = self.study._storage
+        if point is None:
+            trial = self.study.ask()
+            # At once, so a trial of a worker killed from here on is failed as stale later.
+            storage.record_heartbeat(trial._trial_id)
+            family, params = self.domain.suggest(trial)
+            bad = self.domain.violations(family, params)
+            if not bad:
+                trial.set_user_attr(IDENTITY_ATTR, self.domain.identity(family, params))
+            return trial, family, params, bad
+        family, params = point
+        bad = self.domain.violations(family, params)
+        named = self.domain.to_trial_params(family, params)
+        distributions = self._distributions
+        template = optuna.trial.FrozenTrial(
+            number=-1, state=optuna.trial.TrialState.RUNNING, value=None,
+            datetime_start=datetime.datetime.now(), datetime_complete=None, params=named,
+            distributions={n: distributions[n] for n in named},
+            user_attrs={} if bad else {IDENTITY_ATTR: self.domain.identity(family, params)},
+            system_attrs={}, intermediate_values={}, trial_id=-1)
+        trial_id = storage.create_new_trial(self.study._study_id, template_trial=template)
+        storage.record_heartbeat(trial_id)
+        return optuna.Trial(self.study, trial_id), family, params, bad
 
     def _pending(self) -> list[_Pending]:
         return [*self.inflight.values(), *(p for p, _ in self.ready),
@@ -507,28 +545,53 @@ class _Loop:
             self._tell(pending.trial, e.median_us)
             if self.tally.best_us is None or e.median_us < self.tally.best_us:
                 self.tally.best_us, self.tally.best_identity = e.median_us, identity
-            self._update_elites()
+            if e.median_us <= self._elite_bar:
+                self._update_elites()
         else:
             self._tell_fail(pending.trial, e.reason or "failed")
 
     def _update_elites(self) -> None:
-        self.store.update_elites(arch=self.arch.name, workload_key=self.key,
-                                 limit=self.config.elites, run_id=self.run_id)
+        """Rewrite the elites (the store's ranking); a time slower than the bar this leaves
+        cannot change them, so it is not rewritten for. The bar only ever falls (a
+        candidate's best time only falls), and other workers' times lower it at the next
+        ``refresh``: until then it is too high, which costs a needless rewrite, never a
+        missed one."""
+        top = self.store.update_elites(arch=self.arch.name, workload_key=self.key,
+                                       limit=self.config.elites, run_id=self.run_id)
+        self._set_elite_bar(top)
+
+    def _set_elite_bar(self, top: list[tuple[str, float]]) -> None:
+        self._elite_bar = top[-1][1] if len(top) >= self.config.elites else math.inf
 
     def _tell(self, trial: Any, value: float) -> None:
         try:
-            self.study.tell(trial, value)
+            self._finish(trial, value)
         except (RuntimeError, ValueError):
             self._unless_finished(trial)
 
     def _tell_fail(self, trial: Any, reason: str) -> None:
-        import optuna
-
         try:
             trial.set_user_attr(REASON_ATTR, reason[:1000])
-            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            self._finish(trial, None)
         except (RuntimeError, ValueError):
             self._unless_finished(trial)
+
+    def _finish(self, trial: Any, value: float | None) -> None:
+        """Complete the trial with ``value``, or fail it (None). ``Study.tell`` reads the
+        trial back first, for the sampler's ``after_trial``; ours learn nothing there, so
+        for them the state is written at once (a finished trial raises, as with ``tell``)."""
+        from optuna.trial import TrialState
+
+        if not self._fresh_only or (value is not None and not math.isfinite(value)):
+            if value is None:
+                self.study.tell(trial, state=TrialState.FAIL)
+            else:
+                self.study.tell(trial, value)
+            return
+        state = TrialState.FAIL if value is None else TrialState.COMPLETE
+        if not self.study._storage.set_trial_state_values(
+                trial._trial_id, state, None if value is None else [value]):
+            raise RuntimeError(f"trial {trial.number} could not be set {state.name}")
 
     def _unless_finished(self, trial: Any) -> None:
         """Re-raise, unless another worker failed the trial as stale meanwhile (a long stall
@@ -554,6 +617,8 @@ class _Loop:
         taken = self.store.taken_identities(arch=self.arch.name, workload_key=self.key)
         self.taken.clear()
         self.taken.update(taken)
+        self._set_elite_bar(self.store.ranked(arch=self.arch.name, workload_key=self.key,
+                                              limit=self.config.elites))
 
     def reap(self) -> None:
         """Fail the study's trials whose worker stopped heartbeating (killed, or its host

@@ -88,9 +88,7 @@ class EvoSampler(BaseSampler):
                         search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
         if "fixed_params" in trial.system_attrs:  # an enqueued trial: its params are given
             return {}
-        trials = study.get_trials(deepcopy=False)
-        seen = self.seen(trials)
-        point = self.propose(trials, seen)
+        point = self.next_point(study)
         return {} if point is None else self.domain.to_trial_params(*point)
 
     def sample_independent(self, study: Study, trial: FrozenTrial, param_name: str,
@@ -98,6 +96,13 @@ class EvoSampler(BaseSampler):
         return self._fallback.sample_independent(study, trial, param_name, param_distribution)
 
     # ---- the algorithm ------------------------------------------------------------------
+
+    def next_point(self, study: Study) -> Point | None:
+        """The next point for ``study``, as ``sample_relative`` proposes it (None: none
+        fresh). The search calls this before creating the trial, so that the trial is
+        written with its point in one transaction instead of one per parameter."""
+        trials = study.get_trials(deepcopy=False)
+        return self.propose(trials, self.seen(trials))
 
     def seen(self, trials: Sequence[FrozenTrial]) -> set[str]:
         out = set(self._blocked())
