@@ -36,12 +36,6 @@ DEFAULT_WORKLOADS = [
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def parse_workload(text: str, dtype: str) -> Workload:
-    parts = text.split(",")
-    causal = parts[-1] == "causal"
-    return Workload.parse(",".join(parts[:4]), causal=causal, dtype=dtype)
-
-
 def time_kernel(kernel: Kernel, w: Workload, sets: list) -> measure.Timing:
     p = check_inputs(*sets[0][:3], head_dim=kernel.head_dim, dtype=kernel.dtype)
     scale = w.head_dim ** -0.5
@@ -72,7 +66,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     rows = []
     for text in args.workloads:
-        w = parse_workload(text, args.dtype)
+        w = Workload.parse_spec(text, dtype=args.dtype)
         problem = w.problem()
         points = [json.loads(p) for p in args.params]
         if args.points:

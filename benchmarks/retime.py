@@ -38,12 +38,6 @@ WORKLOADS = ["16,16,2048,64", "16,16,2048,64,causal", "8,16,4096,128",
              "8,16,4096,128,causal", "2,32,8192,128", "2,32,8192,128,causal"]
 
 
-def workload_of(text: str, dtype: str) -> Workload:
-    parts = text.split(",")
-    b, h, s, d = (int(x) for x in parts[:4])
-    return Workload(b, h, s, d, causal="causal" in parts[4:], dtype=dtype)
-
-
 def expand(domain: Domain, family: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     """``params`` completed over the domains of the parameters it lacks, in declared order,
     keeping the admitted ones."""
@@ -102,7 +96,7 @@ def main() -> None:
     rows, info = [], None
     for dtype in args.dtypes.split(","):
         for text in args.workloads:
-            w = workload_of(text, dtype)
+            w = Workload.parse_spec(text, dtype=dtype)
             worker = _Worker(w.to_dict(), 0)
             info = worker.info
             arch = arch_of_capability(*info.capability)

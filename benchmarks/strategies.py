@@ -385,9 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from evoengine.search.replay import synthetic_record
         from evoengine.workload import Workload
 
-        parts = args.synthetic.split(",")
-        records.append(synthetic_record(Workload.parse(",".join(parts[:4]),
-                                                       causal="causal" in parts[4:])))
+        records.append(synthetic_record(Workload.parse_spec(args.synthetic)))
     for path in args.records or ([] if args.synthetic else
                                  sorted((paths.ROOT / "tests" / "data").glob("sweep-*.json.gz"))):
         records.append(load_record(path))

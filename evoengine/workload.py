@@ -50,6 +50,12 @@ class Workload:
         return cls(batch=b, heads=h, seq_q=s, head_dim=d, **kw)  # type: ignore[arg-type]
 
     @classmethod
+    def parse_spec(cls, spec: str, **kw: object) -> Workload:
+        """Build from ``"B,H,S,D"`` or ``"B,H,S,D,causal"``, as the benchmarks list them."""
+        parts = spec.split(",")
+        return cls.parse(",".join(parts[:4]), causal=parts[4:] == ["causal"], **kw)
+
+    @classmethod
     def from_key(cls, key: str) -> Workload:
         """The workload that ``key()`` names."""
         m = _KEY.fullmatch(key)

@@ -145,3 +145,11 @@ def test_to_dict_round_trips() -> None:
     assert d == {"batch": 2, "heads": 8, "seq_q": 100, "head_dim": 64, "kv_heads": 2,
                  "seq_k": 50, "causal": True, "dtype": "bf16"}
     assert Workload(**d) == w  # type: ignore[arg-type]
+
+
+def test_parse_spec_reads_the_benchmarks_workload_lists() -> None:
+    assert Workload.parse_spec("2,32,8192,128") == Workload(2, 32, 8192, 128)
+    assert Workload.parse_spec("16,16,2048,64,causal", dtype="bf16") == Workload(
+        16, 16, 2048, 64, causal=True, dtype="bf16")
+    with pytest.raises(ValueError, match="B,H,S,D"):
+        Workload.parse_spec("16,16,2048")

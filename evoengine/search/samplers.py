@@ -196,7 +196,6 @@ class EvoSampler(BaseSampler):
             return family, self._rng.choice(best)
         return self._random_unseen(seen)
 
-
     def _encoded(self, family: str) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
         """The family's admitted points, their identities, and per parameter the index of
         each point's value (numpy), computed once: repair measures distances to all of them
