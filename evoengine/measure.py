@@ -9,6 +9,7 @@ calls replayed and divided by its length.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,11 @@ GRAPH_BELOW_US = 50.0  # calls shorter than this are timed by graph replay
 # timed the same way: graph replay below this many FLOPs (~50 us at 300 TFLOP/s). Deciding
 # per call would time SDPA eagerly (its host overhead alone passes 50 us) and us by graph.
 GRAPH_BELOW_FLOPS = 15e9
+# Seconds of a contender's own calls before its timed ones. The clocks of a GPU that has just
+# been idle or lightly loaded (between candidates: loading, validation on small shapes) stay
+# above their sustained level for a while under full load, so a short burst reads fast
+# (docs/NOTES.md, "Settling the clocks"). Every contender gets the same settling.
+SETTLE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -45,20 +51,40 @@ def copies_needed(bytes_per_set: int) -> int:
 
 
 def time_calls(fn: Callable[[int], None], n_sets: int, *, reps: int = 50, warmup: int = 10,
-               graph: bool | None = None) -> Timing:
+               graph: bool | None = None, settle_s: float | None = None) -> Timing:
     """Time ``fn(i)``, which runs the call on input set ``i % n_sets``.
 
-    ``graph=None`` picks graph replay when one eager call takes under ``GRAPH_BELOW_US``.
+    At least ``warmup`` calls, and calls for at least ``settle_s`` seconds (default
+    ``SETTLE_S``), run untimed first. ``graph=None`` picks graph replay when one eager call
+    takes under ``GRAPH_BELOW_US``.
     """
-    import torch
 
-    for i in range(warmup):
-        fn(i % n_sets)
-    torch.cuda.synchronize()
+    settle(fn, n_sets, warmup, SETTLE_S if settle_s is None else settle_s)
     eager = _time_eager(fn, n_sets, reps)
     if graph is False or (graph is None and eager.median_us >= GRAPH_BELOW_US):
         return eager
     return _time_graph(fn, n_sets, reps)
+
+
+def settle(fn: Callable[[int], None], n_sets: int, calls: int, seconds: float) -> int:
+    """Run ``fn`` at least ``calls`` times and for at least ``seconds``; returns the count.
+
+    The device is kept busy in batches (one synchronisation per batch, each batch sized from
+    the previous one's rate) so the load stays continuous, as it is while timing."""
+    import torch
+
+    done, batch = 0, max(1, calls)
+    start = time.perf_counter()
+    while True:
+        for _ in range(batch):
+            fn(done % n_sets)
+            done += 1
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if done >= calls and elapsed >= seconds:
+            return done
+        per_call = elapsed / done
+        batch = max(1, min(10_000, int((seconds - elapsed) / per_call) + 1))
 
 
 def _time_eager(fn: Callable[[int], None], n_sets: int, reps: int) -> Timing:

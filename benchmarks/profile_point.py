@@ -1,0 +1,63 @@
+"""Run one point (or an SDPA backend) on one workload, for a profiler to attach to.
+
+    ncu --clock-control none -k regex:attn_fwd -s 20 -c 1 --section ... \
+        python benchmarks/profile_point.py 8,16,4096,128 --family wgmma --params '{...}'
+    python benchmarks/profile_point.py 8,16,4096,128 --sdpa cudnn
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from evoengine import measure  # noqa: E402
+from evoengine.workload import Workload  # noqa: E402
+
+
+def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workload", metavar="B,H,S,D[,causal]")
+    ap.add_argument("--dtype", default="fp16")
+    ap.add_argument("--family", default="wgmma")
+    ap.add_argument("--params", type=json.loads, help="the point, as JSON")
+    ap.add_argument("--sdpa", choices=measure.SDPA_BACKENDS)
+    ap.add_argument("--calls", type=int, default=30)
+    args = ap.parse_args()
+    w = Workload.parse_spec(args.workload, dtype=args.dtype)
+    sets = measure.workload_inputs(w)
+    if args.sdpa:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+        def call(i: int) -> None:
+            with sdpa_kernel([which[args.sdpa]]):
+                torch.nn.functional.scaled_dot_product_attention(*sets[i][:3], is_causal=w.causal)
+    else:
+        from evoengine.arch import arch_of_capability
+        from evoengine.runtime import Kernel, check_inputs
+        from evoengine.search.domain import Domain
+        from evoengine.space import default_spaces
+
+        arch = arch_of_capability(*torch.cuda.get_device_capability())
+        cand = Domain(default_spaces(), w, arch).candidate(args.family, args.params)
+        kernel = Kernel.build(cand, arch)
+        problem = check_inputs(*sets[0][:3], head_dim=w.head_dim, dtype=w.dtype)
+
+        def call(i: int) -> None:
+            q, k, v, o = sets[i]
+            kernel.launch(q, k, v, o, None, problem, 1.0 / math.sqrt(w.head_dim))
+    for i in range(args.calls):
+        call(i % len(sets))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
