@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from evoengine import paths  # noqa: E402
+from evoengine import measure, paths  # noqa: E402
 from evoengine.compile import compile_many  # noqa: E402
 from evoengine.search.domain import Domain  # noqa: E402
 from evoengine.search.replay import load_record  # noqa: E402
@@ -145,7 +145,8 @@ def main() -> None:
         "commit": os.environ.get("EVO_COMMIT", "unknown"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "method": "each candidate: the criterion on validate.plan(workload), then CUDA events "
-                  "(10 warm-up, median of 50, inputs rotated past L2, graph replay under "
+                  f"(10 warm-up calls and {measure.SETTLE_S:g} s of calls untimed, median of "
+                  "50, inputs rotated past L2, graph replay under "
                   f"15 GFLOP); the {args.keep} fastest re-timed {args.rounds} rounds interleaved "
                   "with SDPA flash and cuDNN in the same process (medians over rounds)",
         "candidates": f"best {args.records} of each recorded sweep in tests/data"

@@ -41,7 +41,7 @@ from evoengine.space import SearchSpace, default_spaces, spread
 
 SM90 = get_arch("sm_90a")
 BASE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
-            INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head", EXP2_EMU=0)
+            INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head")
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 SPREAD = 16  # compiled points: two per default problem
@@ -100,8 +100,7 @@ def test_space_targets_sm90a_only() -> None:
     sp = space()
     assert sp.archs == ("sm_90a",)
     assert list(sp.parameters) == ["BLOCK_M", "BLOCK_N", "STAGES", "SWIZZLE", "P_FROM",
-                                   "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER",
-                                   "EXP2_EMU"]
+                                   "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER"]
     for arch in ("sm_80", "sm_86", "sm_89"):
         target = get_arch(arch)
         assert sp.violations(BASE, HD64, target) == [f"family wgmma does not target {arch}"]
@@ -133,6 +132,22 @@ def test_derived_values_match_hand_computation() -> None:
     assert env["CONSUMER_REGS"] == 232
     no_overlap = space().env({**BASE, "INTRA_WG_OVERLAP": False}, HD128, SM90)
     assert no_overlap["LIVE_REGS"] == 64 + 64 and no_overlap["REG_MARGIN"] == 40
+
+
+def test_persistent_blocks_stage_o_apart_where_it_fits() -> None:
+    """A persistent block gets a buffer for O of its own (so Q is handed back early) when the
+    shared memory allows; the kernel static_asserts the same size (compiled below)."""
+    base = space().env(BASE, HD128, SM90)["SMEM_BYTES"]
+    persistent = space().env({**BASE, "PERSISTENT": True}, HD128, SM90)
+    assert persistent["O_BYTES"] == 128 * 128 * 2
+    assert persistent["SMEM_BYTES"] == base + 128 * 128 * 2
+    # 3 stages of 128 x 128 K and V leave no room: O goes where Q was, as without persistence.
+    full = space().env({**BASE, "PERSISTENT": True, "STAGES": 3}, HD128, SM90)
+    assert full["O_BYTES"] == 0 and full["SMEM_BYTES"] <= SM90.smem_per_block
+    for override in (dict(PERSISTENT=True, PINGPONG=True), dict(PERSISTENT=True, STAGES=3)):
+        c = make_candidate(space(), {**BASE, **override}, HD128, SM90)
+        check_compiled(c, compile_source(render(c), SM90, c.defines(SM90), identity=c.identity,
+                                         smem_bytes=c.smem_bytes))
 
 
 # (rule text, parameter override, problem, target, extra domain values)
@@ -255,27 +270,6 @@ def test_masked_and_unmasked_loops_are_separate() -> None:
     loops = [lp for lp in tensor_loops(disassemble(r.cubin or b"")) if lp.get("HGMMA")]
     fsel = sorted(int(lp.get("FSEL", 0)) for lp in loops[:2])  # type: ignore[call-overload]
     assert fsel[0] <= 4 and fsel[1] >= 64, loops[:2]
-
-
-@pytest.mark.parametrize("emu", [1, 2, 3])
-def test_exp2_emulation_moves_exponentials_off_mufu(emu: int) -> None:
-    """EXP2_EMU of every 8 n8 chunks take exp2 on the FMA pipe: the unmasked key loop issues
-    that share fewer MUFU.EX2 (two per row stay for the rescale factors), with no spill."""
-    if CUOBJDUMP is None:
-        pytest.skip("no cuobjdump")
-    sys.path.insert(0, str(paths.ROOT / "benchmarks"))
-    from sass_report import disassemble, tensor_loops
-
-    counts = []
-    for e in (0, emu):
-        c = make_candidate(space(), {**BASE, "EXP2_EMU": e}, HD64, SM90)
-        r = compile_candidate(c, SM90)
-        check_compiled(c, r)
-        loop = [lp for lp in tensor_loops(disassemble(r.cubin or b"")) if lp.get("HGMMA")][0]
-        counts.append(int(loop["MUFU.EX2"]))  # type: ignore[call-overload]
-    chunks = int(BASE["BLOCK_N"]) // 8  # type: ignore[call-overload]
-    moved = 2 * 2 * sum(1 for i in range(chunks) if i % 8 < emu)  # 2 rows x 2 columns per chunk
-    assert counts[0] - counts[1] == moved, counts
 
 
 def test_smem_static_assert_ties_space_to_kernel() -> None:

@@ -21,23 +21,6 @@ __device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) == +0
   return y;
 }
 
-// exp2(x) for x <= 0 on the FMA pipe, no MUFU: x = n + f with n = round(x) and |f| <= 1/2,
-// 2^f by a degree-3 polynomial (relative error under 7.5e-5 on [-1/2, 1/2], fitted for
-// minimax relative error), times 2^n built in the exponent field. x below -127 (and -inf)
-// gives exactly 0, as ex2.approx.ftz gives +0; NaN stays NaN. About 9 FP32/ALU instructions
-// against MUFU.EX2's quarter-rate slot: moving a share of a softmax's exponentials here
-// balances the two pipes where MUFU bounds it (FlashAttention-4's idea).
-__device__ __forceinline__ float poly_exp2(float x) {
-  x = x < -127.f ? -127.f : x;  // a compare, not fmaxf: fmaxf would turn NaN into -127
-  const float shifter = 12582912.f;  // 1.5 * 2^23: x + shifter keeps round(x) in its low bits
-  const float t = x + shifter;
-  const float f = x - (t - shifter);
-  const float p = fmaf(fmaf(fmaf(5.517134e-2f, f, 2.4261034e-1f), f, 6.9326097e-1f), f,
-                       9.9992812e-1f);
-  // (n << 23) + bits(1.0f) is 2^n for n in [-126, 0]; at n = -127 it wraps to +0.
-  return p * __int_as_float((__float_as_int(t) << 23) + 0x3f800000);
-}
-
 __device__ __forceinline__ float fast_log2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
