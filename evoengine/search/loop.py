@@ -45,7 +45,7 @@ from typing import Any
 
 from sqlalchemy import exc as sa_exc
 
-from evoengine import __version__, paths
+from evoengine import __version__, measure, paths
 from evoengine.arch import Arch
 from evoengine.compile import CompileResult, compile_candidate, is_cached, nvrtc_version
 from evoengine.render import Candidate, render
@@ -120,7 +120,8 @@ class SearchResult:
             "torch": self.device.versions.get("torch"), "commit": _commit(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "study": self.study, "run_id": self.run_id,
-            "method": "CUDA events, 10 warm-up calls, median of 50 (graph replay of 64 calls, "
+            "method": f"CUDA events, 10 warm-up calls and {measure.SETTLE_S:g} s of calls "
+                      "untimed, median of 50 (graph replay of 64 calls, "
                       "for every contender, when the workload is under 15 GFLOP), inputs "
                       "rotated over >=256 MB; elites re-timed interleaved with SDPA flash and "
                       "cuDNN, median of the rounds' medians",
