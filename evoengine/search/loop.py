@@ -369,7 +369,14 @@ class _Loop:
                 self.refresh()
                 if not self._fresh_left():
                     break
-            trial, family, params, bad = self._ask()
+            point = self.study.sampler.next_point(self.study) if self._fresh_only else None
+            if self._fresh_only and point is None:
+                # Every admitted point is measured, or in flight here or elsewhere (the
+                # sampler sees other workers' running trials). Asking Optuna instead would
+                # churn through MAX_IDLE_PROPOSALS rejected or taken points, a trial each.
+                self.refresh()
+                break
+            trial, family, params, bad = self._ask(point)
             if bad:
                 self.tally.rejected += 1
                 self._tell_fail(trial, "rejected by the search space: " + "; ".join(bad))
@@ -401,19 +408,19 @@ class _Loop:
             "every admitted candidate has been measured" if self._fresh_only
             else f"{MAX_IDLE_PROPOSALS} proposals in a row were rejected or already measured")
 
-    def _ask(self) -> tuple[Any, str, dict[str, Any], list[str]]:
+    def _ask(self, point: tuple[str, dict[str, Any]] | None
+             ) -> tuple[Any, str, dict[str, Any], list[str]]:
         """A new RUNNING trial, heartbeating, that holds its point (and, if admitted, its
         identity): ``(trial, family, params, violations)``.
 
-        Our samplers propose first, and the trial is created with its parameters and
-        identity in one transaction (as ``Study.add_trial`` does): what ``ask`` and one
-        ``suggest`` per parameter would write in a dozen. Optuna's samplers, and ours when
-        nothing fresh is left, go through ``ask`` and ``suggest``. The loop never enqueues
+        Our samplers propose first (``point``), and the trial is created with its parameters
+        and identity in one transaction (as ``Study.add_trial`` does): what ``ask`` and one
+        ``suggest`` per parameter would write in a dozen. Optuna's samplers (``point`` None)
+        go through ``ask`` and ``suggest``. The loop never enqueues
         trials, so no waiting trial is skipped.
         """
         import optuna
 
-        point = self.study.sampler.next_point(self.study) if self._fresh_only else None
         storage = self.study._storage
         if point is None:
             trial = self.study.ask()
