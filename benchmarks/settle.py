@@ -32,10 +32,10 @@ from evoengine.workload import Workload  # noqa: E402
 POINTS = {  # the re-time winners of 2026-11-22 (benchmarks/results/*-h100-wgmma-retime.json)
     "16,16,2048,64": dict(BLOCK_M=192, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
                           INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True,
-                          TILE_ORDER="head"),
+                          TILE_ORDER="head", SCHEDULER="static"),
     "8,16,4096,128,causal": dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
                                  INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True,
-                                 TILE_ORDER="head"),
+                                 TILE_ORDER="head", SCHEDULER="static"),
 }
 
 

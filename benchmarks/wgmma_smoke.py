@@ -43,17 +43,17 @@ ARCH = get_arch("sm_90a")
 # three-way turns).
 DEFAULT_POINTS = [
     dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs", INTRA_WG_OVERLAP=True,
-         PINGPONG=False, PERSISTENT=False, TILE_ORDER="head"),
+         PINGPONG=False, PERSISTENT=False, TILE_ORDER="head", SCHEDULER="static"),
     dict(BLOCK_M=128, BLOCK_N=176, STAGES=2, SWIZZLE=128, P_FROM="regs", INTRA_WG_OVERLAP=True,
-         PINGPONG=True, PERSISTENT=False, TILE_ORDER="head"),
+         PINGPONG=True, PERSISTENT=False, TILE_ORDER="head", SCHEDULER="static"),
     dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs", INTRA_WG_OVERLAP=True,
-         PINGPONG=True, PERSISTENT=True, TILE_ORDER="head"),
+         PINGPONG=True, PERSISTENT=True, TILE_ORDER="head", SCHEDULER="static"),
     dict(BLOCK_M=192, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs", INTRA_WG_OVERLAP=True,
-         PINGPONG=False, PERSISTENT=False, TILE_ORDER="head"),
+         PINGPONG=False, PERSISTENT=False, TILE_ORDER="head", SCHEDULER="static"),
     dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem", INTRA_WG_OVERLAP=False,
-         PINGPONG=True, PERSISTENT=True, TILE_ORDER="head"),
+         PINGPONG=True, PERSISTENT=True, TILE_ORDER="head", SCHEDULER="static"),
     dict(BLOCK_M=192, BLOCK_N=64, STAGES=4, SWIZZLE=32, P_FROM="regs", INTRA_WG_OVERLAP=True,
-         PINGPONG=True, PERSISTENT=True, TILE_ORDER="head"),
+         PINGPONG=True, PERSISTENT=True, TILE_ORDER="head", SCHEDULER="static"),
 ]
 PROBLEMS = [dict(HEAD_DIM=d, DTYPE=t, CAUSAL=c) for d in (64, 128) for t in ("fp16", "bf16")
             for c in (False, True)]

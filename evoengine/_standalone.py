@@ -10,10 +10,12 @@ heads, kv_group, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_s
 scale_log2)`` on a grid of (ceil(seq_q / block_m), heads, batch) blocks; LSE may be null.
 
 TMA ABI (wgmma, sm_90a): ``attn_fwd(CUtensorMap q, k, v, O, LSE, seq_q, seq_k, heads,
-kv_group, total_tiles, o_sb, o_sh, o_ss, scale_log2)`` on a 1-D grid of tiles (query block,
-head, batch), or one block per SM when persistent. The tensor maps are 128-byte
+kv_group, total_tiles, o_sb, o_sh, o_ss, scale_log2, tile_counter)`` on a 1-D grid of tiles
+(query block, head, batch), or one block per SM when persistent. The tensor maps are 128-byte
 ``__grid_constant__`` parameters built per call with the driver's ``cuTensorMapEncodeTiled``
 (through ctypes) over (head_dim, seq, heads, batch) with the tensors' own strides.
+``tile_counter`` (int32*) is where a dynamically scheduled kernel draws its tiles: a fresh
+zero per launch, allocated on the launch's stream; null for every other kernel.
 """
 
 from __future__ import annotations
@@ -196,9 +198,10 @@ TMA_Q_ROWS = 64  # rows of Q per consumer warpgroup: the box the kernel loads Q 
 _TMA_DTYPE = {"fp16": 6, "bf16": 9}
 _TMA_SWIZZLE = {32: 1, 64: 2, 128: 3}
 _TMA_L2_256B = 3
-# The TMA launch arguments: 3 tensor maps, O and LSE, 5 int32, 3 int64 strides, 1 float.
-_TMA_ARGS = struct.Struct("=128s128s128s2Q5i4x3qf")
-_TMA_ARG_OFFSETS = (0, 128, 256, 384, 392, *range(400, 420, 4), *range(424, 448, 8), 448)
+# The TMA launch arguments: 3 tensor maps, O and LSE, 5 int32, 3 int64 strides, 1 float,
+# the tile counter (a pointer, 8-byte aligned after the float).
+_TMA_ARGS = struct.Struct("=128s128s128s2Q5i4x3qf4xQ")
+_TMA_ARG_OFFSETS = (0, 128, 256, 384, 392, *range(400, 420, 4), *range(424, 448, 8), 448, 456)
 
 
 class TmaParams(NamedTuple):
@@ -207,13 +210,18 @@ class TmaParams(NamedTuple):
     swizzle: int  # bytes: the tensor maps' swizzle, whose width (in values) is the box's
     block_n: int  # rows of K and V per box
     persistent: bool  # one block per SM, each looping over tiles
+    dynamic: bool = False  # persistent blocks draw tiles from a zeroed counter in global memory
 
 
 def tma_params(family: str, params: Mapping[str, Any]) -> TmaParams | None:
-    """The TMA launch of a candidate of ``family``, or None for a pointer-ABI family."""
+    """The TMA launch of a candidate of ``family``, or None for a pointer-ABI family.
+
+    Specs exported before the wgmma space had SCHEDULER lack it: those kernels are static.
+    """
     if family not in TMA_FAMILIES:
         return None
-    return TmaParams(int(params["SWIZZLE"]), int(params["BLOCK_N"]), bool(params["PERSISTENT"]))
+    return TmaParams(int(params["SWIZZLE"]), int(params["BLOCK_N"]), bool(params["PERSISTENT"]),
+                     params.get("SCHEDULER", "static") == "dynamic")
 
 
 class TmaGeometry(NamedTuple):
@@ -463,13 +471,19 @@ class CudaKernel:
                 self._tensor_map(v, self.tma.block_n))
         os_ = out.stride()
         stream = _raw_stream(index)
+        # A fresh counter per launch, zeroed on this stream before the kernel runs: launches on
+        # other streams, replays of a captured graph, and a launch after one that trapped each
+        # start from zero. Dropping it after the launch is enqueued is safe: the caching
+        # allocator hands the block out again only to work ordered after this stream's kernel.
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.tma.dynamic else None
         with self._lock:
             _TMA_ARGS.pack_into(
                 self._args, 0, *maps, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
                 p.seq_q, p.seq_k, p.heads, p.heads // p.kv_heads, tiles, os_[0], os_[1], os_[2],
-                scale * LOG2E)
+                scale * LOG2E, 0 if counter is None else counter.data_ptr())
             _launch_in_context(loaded, (loaded.fn, grid, 1, 1, self.threads, 1, 1,
                                         self.smem_bytes, stream, self._argv_ptr, 0))
+        del counter  # only now: the launch has read its address
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
                  out: Tensor | None = None, lse: Tensor | None = None) -> Tensor:

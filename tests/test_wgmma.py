@@ -6,14 +6,17 @@ No GPU is needed; the SASS checks run where ``cuobjdump`` is found and skip else
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import re
+import struct
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from evoengine import _standalone as standalone
 from evoengine import paths
@@ -41,7 +44,8 @@ from evoengine.space import SearchSpace, default_spaces, spread
 
 SM90 = get_arch("sm_90a")
 BASE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
-            INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head")
+            INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
+            SCHEDULER="static")
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 SPREAD = 16  # compiled points: two per default problem
@@ -100,7 +104,8 @@ def test_space_targets_sm90a_only() -> None:
     sp = space()
     assert sp.archs == ("sm_90a",)
     assert list(sp.parameters) == ["BLOCK_M", "BLOCK_N", "STAGES", "SWIZZLE", "P_FROM",
-                                   "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER"]
+                                   "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER",
+                                   "SCHEDULER"]
     for arch in ("sm_80", "sm_86", "sm_89"):
         target = get_arch(arch)
         assert sp.violations(BASE, HD64, target) == [f"family wgmma does not target {arch}"]
@@ -150,6 +155,15 @@ def test_persistent_blocks_stage_o_apart_where_it_fits() -> None:
                                          smem_bytes=c.smem_bytes))
 
 
+def test_dynamic_scheduler_adds_its_tile_slot() -> None:
+    """The slot naming each tile to the consumers: 16 bytes next to the mbarriers, only when
+    dynamic; the kernel static_asserts the same size (compiled below)."""
+    static = space().env({**BASE, "PERSISTENT": True}, HD128, SM90)
+    dynamic = space().env({**BASE, "PERSISTENT": True, "SCHEDULER": "dynamic"}, HD128, SM90)
+    assert static["TILE_SLOT_BYTES"] == 0 and dynamic["TILE_SLOT_BYTES"] == 16
+    assert dynamic["SMEM_BYTES"] == static["SMEM_BYTES"] + 16
+
+
 # (rule text, parameter override, problem, target, extra domain values)
 _FEW_THREADS = dataclasses.replace(SM90, max_threads=256)
 CONSTRAINT_CASES = [
@@ -164,6 +178,9 @@ CONSTRAINT_CASES = [
     ("SMEM_BYTES <= SMEM_LIMIT", dict(BLOCK_N=192, STAGES=4, P_FROM="smem"), HD128, SM90, {}),
     ("LIVE_REGS + REG_MARGIN <= CONSUMER_REGS", {"BLOCK_M": 192}, HD128, SM90, {}),
     ("CAUSAL or TILE_ORDER == 'head'", {"TILE_ORDER": "l2"}, HD64, SM90, {}),
+    ("SCHEDULER == 'static' or PERSISTENT", {"SCHEDULER": "dynamic"}, HD128, SM90, {}),
+    ("SCHEDULER == 'static' or CAUSAL", dict(SCHEDULER="dynamic", PERSISTENT=True), HD64, SM90,
+     {}),
 ]
 
 
@@ -245,7 +262,7 @@ def test_feature_points_compile_clean(override: dict) -> None:
 
 
 @pytest.mark.parametrize("override", [
-    dict(TILE_ORDER="l2"),  # L2 sections, non-persistent
+    dict(TILE_ORDER="l2", SCHEDULER="static"),  # L2 sections, non-persistent
     dict(TILE_ORDER="l2", PERSISTENT=True, PINGPONG=True, BLOCK_N=64),
     dict(PERSISTENT=True, BLOCK_M=192, BLOCK_N=64, INTRA_WG_OVERLAP=False, PINGPONG=True),
 ])
@@ -255,6 +272,42 @@ def test_causal_orders_and_skips_compile_clean(override: dict) -> None:
         c = make_candidate(space(), {**BASE, **override}, problem, SM90)
         check_compiled(c, compile_source(render(c), SM90, c.defines(SM90), identity=c.identity,
                                          smem_bytes=c.smem_bytes))
+
+
+DYNAMIC_POINTS = [  # (override of BASE, problem): causal and persistent, as the space demands
+    ({}, HD128),
+    (dict(BLOCK_M=192, BLOCK_N=64, SWIZZLE=32, TILE_ORDER="l2", PINGPONG=True,
+          INTRA_WG_OVERLAP=False), {**HD64, "CAUSAL": True}),
+    (dict(BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem", PINGPONG=True), HD128),
+    (dict(BLOCK_M=192, BLOCK_N=128, STAGES=4, P_FROM="smem", TILE_ORDER="l2"),
+     {**HD64, "DTYPE": "bf16", "CAUSAL": True}),
+]
+
+
+def test_dynamic_scheduler_compiles_clean_with_one_atomic_per_tile() -> None:
+    """Dynamic points compile without spill or local memory (the producer runs on 32-56
+    registers and now holds the claimed tile); the tile counter's atomic is in the SASS of a
+    dynamic kernel and of no static one."""
+    cands = []
+    for override, problem in DYNAMIC_POINTS:
+        for scheduler in ("dynamic", "static"):
+            params = {**BASE, "PERSISTENT": True, **override, "SCHEDULER": scheduler}
+            cands.append(make_candidate(space(), params, problem, SM90))
+    for c, r in zip(cands, compile_many(cands, SM90, workers=2), strict=True):
+        check_compiled(c, r)
+        if CUOBJDUMP is not None:
+            atomics = [op for op in sass_opcodes(r.cubin or b"") if op.startswith(("ATOM", "RED"))]
+            assert len(atomics) == (c.params["SCHEDULER"] == "dynamic"), (c.identity, atomics)
+
+
+def test_dynamic_source_takes_the_counter_last() -> None:
+    params = {**BASE, "PERSISTENT": True, "SCHEDULER": "dynamic"}
+    src = render(make_candidate(space(), params, HD128, SM90))
+    assert "constexpr bool DYNAMIC = true;" in src
+    assert "float scale_log2, int* __restrict__ tile_counter) {" in src
+    static = render(make_candidate(space(), {**params, "SCHEDULER": "static"}, HD128, SM90))
+    assert "constexpr bool DYNAMIC = false;" in static
+    assert "float scale_log2, int* __restrict__ tile_counter) {" in static  # one ABI for both
 
 
 def test_masked_and_unmasked_loops_are_separate() -> None:
@@ -324,8 +377,15 @@ def test_tma_grid() -> None:
 def test_tma_params_come_from_the_family() -> None:
     c = make_candidate(space(), {**BASE, "PERSISTENT": True, "SWIZZLE": 64, "BLOCK_N": 96},
                        HD64, SM90)
-    assert tma_params(c.family, c.params) == TmaParams(swizzle=64, block_n=96, persistent=True)
+    assert tma_params(c.family, c.params) == TmaParams(swizzle=64, block_n=96, persistent=True,
+                                                       dynamic=False)
     assert tma_params("mma", {"BLOCK_N": 64}) is None
+    dynamic = make_candidate(space(), {**BASE, "PERSISTENT": True, "SCHEDULER": "dynamic"},
+                             HD128, SM90)
+    assert tma_params(dynamic.family, dynamic.params) == TmaParams(128, 128, True, True)
+    # Specs exported before SCHEDULER existed: static kernels.
+    older = {k: v for k, v in dynamic.params.items() if k != "SCHEDULER"}
+    assert tma_params("wgmma", older) == TmaParams(128, 128, True, False)
 
 
 def test_an_exported_wgmma_kernel_launches_through_tensor_maps() -> None:
@@ -336,8 +396,68 @@ def test_an_exported_wgmma_kernel_launches_through_tensor_maps() -> None:
                           "problem": c.problem, "block_m": c.block_m, "threads": c.threads,
                           "smem_bytes": c.smem_bytes, "source": None, "cubin": cubin,
                           "cubin_sha256": sha256(cubin)}, "sm_90a")
-    assert k.tma == TmaParams(swizzle=128, block_n=128, persistent=False)
-    assert len(k._argv) == 14  # 3 tensor maps, O, LSE, 5 int32, 3 strides, the scale
+    assert k.tma == TmaParams(swizzle=128, block_n=128, persistent=False, dynamic=False)
+    assert len(k._argv) == 15  # 3 tensor maps, O, LSE, 5 int32, 3 strides, the scale, counter
+
+
+def test_tma_arguments_sit_at_their_natural_alignment() -> None:
+    """The packed argument block matches the kernel's parameter space: each field at its own
+    alignment (the tensor maps at 64), the counter pointer last at 8."""
+    sizes = [128, 128, 128, 8, 8, 4, 4, 4, 4, 4, 8, 8, 8, 4, 8]
+    offset, expected = 0, []
+    for size in sizes:
+        align = 64 if size == 128 else size
+        offset = -(-offset // align) * align
+        expected.append(offset)
+        offset += size
+    assert list(standalone._TMA_ARG_OFFSETS) == expected
+    assert standalone._TMA_ARGS.size == offset
+
+
+class _FakeLaunch:
+    """Stands in for the driver: records the counter argument as the launch sees it, then
+    counts on it as the kernel would."""
+
+    def __init__(self, k: CudaKernel) -> None:
+        self.kernel = k
+        self.counters: list[tuple[int, int | None]] = []  # (address, value at launch)
+
+    def __call__(self, loaded: object, args: tuple) -> None:
+        (address,) = struct.unpack_from("=Q", self.kernel._args, standalone._TMA_ARG_OFFSETS[-1])
+        value = None
+        if address:
+            counter = ctypes.c_int32.from_address(address)
+            value, counter.value = counter.value, 1000
+        self.counters.append((address, value))
+
+
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_launch_passes_a_fresh_zero_counter_only_when_dynamic(
+        scheduler: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's side of the ABI, on CPU tensors with the driver faked: a dynamic kernel
+    gets the address of a zeroed int32 per launch (whatever the last launch left in its
+    counter), a static one null."""
+    params = {**BASE, "PERSISTENT": True, "SCHEDULER": scheduler}
+    c = make_candidate(space(), params, HD128, SM90)
+    k = CudaKernel(c.identity, head_dim=128, dtype="bf16", causal=True, block_m=c.block_m,
+                   threads=c.threads, smem_bytes=c.smem_bytes, arch="sm_90a", cubin=b"x",
+                   tma=tma_params(c.family, c.params))
+    fake = _FakeLaunch(k)
+    monkeypatch.setattr(standalone, "_launch_in_context", fake)
+    monkeypatch.setattr(standalone, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(standalone, "_raw_stream", lambda index: 0)
+    monkeypatch.setattr(k, "_tensor_map", lambda t, rows: bytes(128))
+    # CPU tensors are device index -1; only the fields the launch reads are filled in.
+    k._loaded[-1] = standalone._Loaded(0, 0, lambda *a: None, lambda: 0, lambda c: None, None)
+    q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
+    p = standalone.Problem(1, 2, 2, 300, 300, 128)
+    for _ in range(2):
+        k.launch(q, q, q, torch.empty_like(q), None, p, 0.1)
+    if scheduler == "static":
+        assert fake.counters == [(0, None), (0, None)]
+    else:
+        assert len(fake.counters) == 2
+        assert all(address != 0 and value == 0 for address, value in fake.counters)
 
 
 def test_a_wgmma_kernel_refuses_other_gpus(monkeypatch: pytest.MonkeyPatch) -> None:

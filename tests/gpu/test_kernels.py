@@ -40,15 +40,20 @@ CONFIGS = {
     # shared memory, with and without intra-warpgroup overlap, ping-pong and a persistent grid.
     "wgmma": [
         dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
-             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head"),
+             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
+             SCHEDULER="static"),
         dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
-             INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head"),
+             INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head",
+             SCHEDULER="static"),
         dict(BLOCK_M=192, BLOCK_N=64, STAGES=4, SWIZZLE=32, P_FROM="regs",
-             INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head"),
+             INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head",
+             SCHEDULER="static"),
         dict(BLOCK_M=64, BLOCK_N=176, STAGES=2, SWIZZLE=128, P_FROM="regs",
-             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head"),
+             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
+             SCHEDULER="static"),
         dict(BLOCK_M=128, BLOCK_N=96, STAGES=2, SWIZZLE=32, P_FROM="smem",
-             INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=False, TILE_ORDER="head"),
+             INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=False, TILE_ORDER="head",
+             SCHEDULER="static"),
     ],
 }
 
@@ -243,14 +248,25 @@ def test_wgmma_more_tiles_than_sms(idx: int) -> None:
 
 # Causal tile orders (causal only): the L2 sections on both grids, and the per-head order with
 # the persistent grid's alternating rounds, with warpgroups that skip the blocks past their
-# rows (BLOCK_N 64 with 2 and 3 consumers), ping-pong turns kept in step while one skips.
+# rows (BLOCK_N 64 with 2 and 3 consumers), ping-pong turns kept in step while one skips; the
+# dynamic scheduler (tiles named through shared memory, the end by a Q phase with no bytes)
+# with 2 consumers and O staged apart, and with 3 and ping-pong over the L2 order.
 CAUSAL_ORDER_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
-         INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="l2"),
+         INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="l2",
+         SCHEDULER="static"),
     dict(BLOCK_M=128, BLOCK_N=64, STAGES=2, SWIZZLE=128, P_FROM="regs",
-         INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True, TILE_ORDER="l2"),
+         INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True, TILE_ORDER="l2",
+         SCHEDULER="static"),
     dict(BLOCK_M=192, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
-         INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head"),
+         INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head",
+         SCHEDULER="static"),
+    dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
+         INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head",
+         SCHEDULER="dynamic"),
+    dict(BLOCK_M=192, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
+         INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True, TILE_ORDER="l2",
+         SCHEDULER="dynamic"),
 ]
 
 
@@ -265,3 +281,46 @@ def test_wgmma_causal_tile_orders(idx: int, head_dim: int) -> None:
                   (1, 40, 40, 640, 640, "bhsd")):
         verdict = run_check(kernel, shape)
         assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
+
+
+DYNAMIC_CONFIGS = [cfg for cfg in CAUSAL_ORDER_CONFIGS if cfg["SCHEDULER"] == "dynamic"]
+
+
+@pytest.mark.parametrize("idx", range(len(DYNAMIC_CONFIGS)))
+def test_wgmma_dynamic_counter_is_fresh_per_launch(idx: int) -> None:
+    """The tile counter is the launcher's, zeroed per launch on the launch's stream: launches
+    back to back, on two streams at once and replayed from a CUDA graph all cover every tile.
+    About 15 tiles per SM, so blocks loop long and the counter runs far past the grid. The
+    kernel is deterministic (a tile's arithmetic does not depend on its block), so every run
+    matches the first bit for bit, and the first passes the criterion."""
+    need_family("wgmma")
+    problem = dict(HEAD_DIM=128, DTYPE="bf16", CAUSAL=True)
+    (kernel,) = build([make_candidate(space("wgmma"), DYNAMIC_CONFIGS[idx], problem,
+                                      gpu_arch())])
+    shape = (4, 32, 8, 2048, 2048, "bhsd")
+    verdict = run_check(kernel, shape)
+    assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(4, h, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for h in (32, 8, 8))
+    first = kernel(q, k, v)
+    for _ in range(3):
+        assert torch.equal(kernel(q, k, v), first)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = [torch.full_like(first, float("nan")) for _ in streams]
+    torch.cuda.synchronize()
+    for stream, out in zip(streams, outs, strict=True):
+        with torch.cuda.stream(stream):
+            kernel(q, k, v, out=out)
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, first) for out in outs)
+    graph_out = torch.full_like(first, float("nan"))
+    kernel(q, k, v, out=graph_out)  # loaded and warm before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel(q, k, v, out=graph_out)
+    for _ in range(2):
+        graph_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out, first)
