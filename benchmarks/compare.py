@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from evoengine import measure, paths, validate  # noqa: E402
 from evoengine.compile import compile_many  # noqa: E402
 from evoengine.render import make_candidate  # noqa: E402
-from evoengine.runtime import Kernel, check_inputs, gpu_arch  # noqa: E402
+from evoengine.runtime import Kernel, gpu_arch  # noqa: E402
 from evoengine.space import SearchSpace  # noqa: E402
 from evoengine.workload import Workload  # noqa: E402
 
@@ -37,13 +37,8 @@ TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def time_kernel(kernel: Kernel, w: Workload, sets: list) -> measure.Timing:
-    p = check_inputs(*sets[0][:3], head_dim=kernel.head_dim, dtype=kernel.dtype)
-    scale = w.head_dim ** -0.5
-
-    def call(i: int) -> None:
-        q, k, v, o = sets[i]
-        kernel.launch(q, k, v, o, None, p, scale)
-    return measure.time_calls(call, len(sets), graph=measure.graph_for(w))
+    return measure.time_calls(measure.kernel_call(kernel, sets, w.head_dim ** -0.5), len(sets),
+                              graph=measure.graph_for(w))
 
 
 def main() -> None:

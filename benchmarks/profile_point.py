@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -34,28 +35,20 @@ def main() -> None:
     w = Workload.parse_spec(args.workload, dtype=args.dtype)
     sets = measure.workload_inputs(w)
     if args.sdpa:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-
-        def call(i: int) -> None:
-            with sdpa_kernel([which[args.sdpa]]):
-                torch.nn.functional.scaled_dot_product_attention(*sets[i][:3], is_causal=w.causal)
+        call, scope = measure.sdpa_call(w, sets), measure.sdpa_backend(args.sdpa)
     else:
         from evoengine.arch import arch_of_capability
-        from evoengine.runtime import Kernel, check_inputs
+        from evoengine.runtime import Kernel
         from evoengine.search.domain import Domain
         from evoengine.space import default_spaces
 
         arch = arch_of_capability(*torch.cuda.get_device_capability())
         cand = Domain(default_spaces(), w, arch).candidate(args.family, args.params)
-        kernel = Kernel.build(cand, arch)
-        problem = check_inputs(*sets[0][:3], head_dim=w.head_dim, dtype=w.dtype)
-
-        def call(i: int) -> None:
-            q, k, v, o = sets[i]
-            kernel.launch(q, k, v, o, None, problem, 1.0 / math.sqrt(w.head_dim))
-    for i in range(args.calls):
-        call(i % len(sets))
+        call = measure.kernel_call(Kernel.build(cand, arch), sets, 1.0 / math.sqrt(w.head_dim))
+        scope = contextlib.nullcontext()
+    with scope:
+        for i in range(args.calls):
+            call(i % len(sets))
     torch.cuda.synchronize()
 
 

@@ -144,9 +144,8 @@ def main() -> None:
         "versions": info.versions if info else None,
         "commit": os.environ.get("EVO_COMMIT", "unknown"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "method": "each candidate: the criterion on validate.plan(workload), then CUDA events "
-                  f"(10 warm-up calls and {measure.SETTLE_S:g} s of calls untimed, median of "
-                  "50, inputs rotated past L2, graph replay under "
+        "method": "each candidate: the criterion on validate.plan(workload), then "
+                  f"{measure.TIMING} (inputs rotated past L2, graph replay under "
                   f"15 GFLOP); the {args.keep} fastest re-timed {args.rounds} rounds interleaved "
                   "with SDPA flash and cuDNN in the same process (medians over rounds)",
         "candidates": f"best {args.records} of each recorded sweep in tests/data"

@@ -39,30 +39,23 @@ POINTS = {  # the re-time winners of 2026-11-22 (benchmarks/results/*-h100-wgmma
 }
 
 
-def contenders(w: Workload, sets: list) -> dict[str, Any]:
+def contenders(spec: str, w: Workload, sets: list) -> dict[str, Any]:
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from evoengine.arch import arch_of_capability
-    from evoengine.runtime import Kernel, check_inputs
+    from evoengine.runtime import Kernel
     from evoengine.search.domain import Domain
     from evoengine.space import default_spaces
 
     arch = arch_of_capability(*torch.cuda.get_device_capability())
-    spec = f"{w.batch},{w.heads},{w.seq_q},{w.head_dim}" + (",causal" if w.causal else "")
     kernel = Kernel.build(Domain(default_spaces(), w, arch).candidate("wgmma", POINTS[spec]), arch)
-    problem = check_inputs(*sets[0][:3], head_dim=w.head_dim, dtype=w.dtype)
-    scale = 1.0 / math.sqrt(w.head_dim)
-
-    def ours(i: int) -> None:
-        q, k, v, o = sets[i]
-        kernel.launch(q, k, v, o, None, problem, scale)
+    sdpa = measure.sdpa_call(w, sets)
 
     def cudnn(i: int) -> None:
-        q, k, v = sets[i][:3]
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=w.causal)
-    return {"wgmma": ours, "cudnn": cudnn}
+        with measure.sdpa_backend("cudnn"):
+            sdpa(i)
+    return {"wgmma": measure.kernel_call(kernel, sets, 1.0 / math.sqrt(w.head_dim)),
+            "cudnn": cudnn}
 
 
 def main() -> None:
@@ -89,7 +82,7 @@ def main() -> None:
         for spec in POINTS:
             w = Workload.parse_spec(spec, dtype=args.dtype)
             sets = measure.workload_inputs(w)
-            for name, fn in contenders(w, sets).items():
+            for name, fn in contenders(spec, w, sets).items():
                 measure.settle(fn, len(sets), 10, args.sustain)
                 sustained = statistics.median(
                     measure.time_calls(fn, len(sets), settle_s=0).median_us for _ in range(5))

@@ -110,7 +110,7 @@ def child_point(point: dict) -> dict:
 
     from evoengine import measure, validate
     from evoengine.compile import compile_candidate
-    from evoengine.runtime import Kernel, check_inputs
+    from evoengine.runtime import Kernel
 
     sp = space()
     out: dict = {"params": point, "checks": [], "timings": []}
@@ -137,14 +137,7 @@ def child_point(point: dict) -> dict:
         if kernel is None:
             continue
         sets = _sets_for(w)
-        p = check_inputs(*sets[0][:3], head_dim=w.head_dim, dtype="fp16")
-        scale = w.head_dim ** -0.5
-
-        def call(i: int, kernel=kernel, sets=sets, p=p, scale=scale) -> None:
-            q, k, v, o = sets[i]
-            kernel.launch(q, k, v, o, None, p, scale)
-
-        t = measure.time_calls(call, len(sets))
+        t = measure.time_calls(measure.kernel_call(kernel, sets, w.head_dim ** -0.5), len(sets))
         out["timings"].append({"workload": w.to_dict(), "us": t.median_us,
                                "spread_us": t.spread_us, "tflops": w.flops() / t.median_us / 1e6})
         del sets
@@ -154,7 +147,6 @@ def child_point(point: dict) -> dict:
 
 def child_sdpa(head_dims: list[int]) -> dict:
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from evoengine import measure
 
@@ -162,14 +154,11 @@ def child_sdpa(head_dims: list[int]) -> dict:
     for w in workloads(head_dims):
         sets = _sets_for(w)
         row = {"workload": w.to_dict()}
-        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                              ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-            def call(i: int, sets=sets, w=w) -> None:
-                q, k, v, _ = sets[i]
-                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=w.causal)
+        for name in measure.SDPA_BACKENDS:
             try:
-                with sdpa_kernel([backend]):
-                    row[name] = measure.time_calls(call, len(sets)).median_us
+                with measure.sdpa_backend(name):
+                    row[name] = measure.time_calls(measure.sdpa_call(w, sets),
+                                                   len(sets)).median_us
             except RuntimeError as e:
                 row[name] = None
                 row[f"{name}_error"] = str(e).splitlines()[0]

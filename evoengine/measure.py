@@ -31,6 +31,11 @@ GRAPH_BELOW_FLOPS = 15e9
 # above their sustained level for a while under full load, so a short burst reads fast
 # (docs/NOTES.md, "Settling the clocks"). Every contender gets the same settling.
 SETTLE_S = 0.1
+WARMUP_CALLS = 10
+REPS = 50
+# How every timing is taken, for the method field of result files.
+TIMING = (f"CUDA events, {WARMUP_CALLS} warm-up calls and {SETTLE_S:g} s of calls untimed, "
+          f"median of {REPS}")
 
 
 @dataclass(frozen=True)
@@ -50,15 +55,15 @@ def copies_needed(bytes_per_set: int) -> int:
     return max(2, min(64, -(-L2_FLUSH_BYTES // max(1, bytes_per_set))))
 
 
-def time_calls(fn: Callable[[int], None], n_sets: int, *, reps: int = 50, warmup: int = 10,
-               graph: bool | None = None, settle_s: float | None = None) -> Timing:
+def time_calls(fn: Callable[[int], None], n_sets: int, *, reps: int = REPS,
+               warmup: int = WARMUP_CALLS, graph: bool | None = None,
+               settle_s: float | None = None) -> Timing:
     """Time ``fn(i)``, which runs the call on input set ``i % n_sets``.
 
     At least ``warmup`` calls, and calls for at least ``settle_s`` seconds (default
     ``SETTLE_S``), run untimed first. ``graph=None`` picks graph replay when one eager call
     takes under ``GRAPH_BELOW_US``.
     """
-
     settle(fn, n_sets, warmup, SETTLE_S if settle_s is None else settle_s)
     eager = _time_eager(fn, n_sets, reps)
     if graph is False or (graph is None and eager.median_us >= GRAPH_BELOW_US):
@@ -158,24 +163,51 @@ def workload_inputs(workload: Workload, device: str | int = "cuda",
 SDPA_BACKENDS = ("flash", "cudnn")
 
 
-def time_sdpa(workload: Workload, sets: Sequence[tuple[torch.Tensor, ...]], backend: str,
-              **kw: Any) -> Timing | None:
-    """Time torch SDPA restricted to one backend (``flash`` or ``cudnn``) on the sets;
-    None when that backend cannot run the workload here."""
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def kernel_call(kernel: Any, sets: Sequence[tuple[torch.Tensor, ...]],
+                scale: float) -> Callable[[int], None]:
+    """``fn(i)`` for ``time_calls``: ``kernel`` (a loaded ``runtime.Kernel``) on input set
+    ``i``, writing its out tensor, no log-sum-exp; the inputs are checked once, here."""
+    from evoengine.runtime import check_inputs
 
-    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    problem = check_inputs(*sets[0][:3], head_dim=kernel.head_dim, dtype=kernel.dtype)
+
+    def call(i: int) -> None:
+        q, k, v, o = sets[i]
+        kernel.launch(q, k, v, o, None, problem, scale)
+    return call
+
+
+def sdpa_call(workload: Workload, sets: Sequence[tuple[torch.Tensor, ...]]
+              ) -> Callable[[int], None]:
+    """``fn(i)`` for ``time_calls``: torch SDPA on input set ``i`` (run it under
+    ``sdpa_backend`` to pin a backend)."""
+    import torch
+
     gqa = workload.kv_heads != workload.heads
-    if workload.causal and workload.seq_q != workload.seq_k:
-        return None  # SDPA's is_causal aligns top-left; ours is bottom-right: not comparable
 
     def call(i: int) -> None:
         q, k, v = sets[i][:3]
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=workload.causal,
                                                          enable_gqa=gqa)
+    return call
+
+
+def sdpa_backend(backend: str) -> Any:
+    """A context manager that restricts SDPA to ``backend`` (``flash`` or ``cudnn``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION,
+                         "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]])
+
+
+def time_sdpa(workload: Workload, sets: Sequence[tuple[torch.Tensor, ...]], backend: str,
+              **kw: Any) -> Timing | None:
+    """Time torch SDPA restricted to one backend (``flash`` or ``cudnn``) on the sets;
+    None when that backend cannot run the workload here."""
+    if workload.causal and workload.seq_q != workload.seq_k:
+        return None  # SDPA's is_causal aligns top-left; ours is bottom-right: not comparable
     try:
-        with sdpa_kernel([which]):
-            return time_calls(call, len(sets), **kw)
+        with sdpa_backend(backend):
+            return time_calls(sdpa_call(workload, sets), len(sets), **kw)
     except RuntimeError:
         return None

@@ -77,16 +77,11 @@ class _Worker:
         self.graph = measure.graph_for(self.workload)
 
     def _timer(self, candidate: Any, compiled: Any) -> Any:
-        from evoengine.runtime import Kernel, check_inputs
+        from evoengine import measure
+        from evoengine.runtime import Kernel
 
         kernel = Kernel(candidate, compiled)
-        q, k, v, _ = self.sets[0]
-        problem = check_inputs(q, k, v, head_dim=kernel.head_dim, dtype=kernel.dtype)
-
-        def call(i: int) -> None:
-            q, k, v, o = self.sets[i]
-            kernel.launch(q, k, v, o, None, problem, self.scale)
-        return kernel, call
+        return kernel, measure.kernel_call(kernel, self.sets, self.scale)
 
     def evaluate(self, payload: Any) -> dict[str, Any]:
         from evoengine import measure, validate

@@ -120,8 +120,7 @@ class SearchResult:
             "torch": self.device.versions.get("torch"), "commit": _commit(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "study": self.study, "run_id": self.run_id,
-            "method": f"CUDA events, 10 warm-up calls and {measure.SETTLE_S:g} s of calls "
-                      "untimed, median of 50 (graph replay of 64 calls, "
+            "method": f"{measure.TIMING} (graph replay of 64 calls, "
                       "for every contender, when the workload is under 15 GFLOP), inputs "
                       "rotated over >=256 MB; elites re-timed interleaved with SDPA flash and "
                       "cuDNN, median of the rounds' medians",
