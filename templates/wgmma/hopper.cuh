@@ -192,29 +192,36 @@ struct SwizzledTile {
   }
 };
 
-// A wgmma matrix descriptor: start address, leading and stride byte offsets, swizzle mode.
-__device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo, u64 mode) {
-  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) |
-         (mode << 62);
-}
-
-// Descriptors of the k16 slices of a tile. K-major (Q, K, P: rows are M or N, the reduction
-// runs along the row): the slice starting at column k sits in one panel, 32 bytes into its
-// swizzled rows; SBO steps 8 rows. The leading offset is unused for swizzled K-major layouts.
-// A slice's descriptor is the tile's plus the slice's offset in 16-byte units, a constant once
-// loops are unrolled (no carry: shared addresses stay below 2^18 bytes).
+// A wgmma matrix descriptor, split in its two 32-bit words. The low word holds the start
+// address (bits 0-13, in 16-byte units) and the leading byte offset (bits 16-29); the high
+// word the stride byte offset (bits 0-13) and the swizzle mode (bits 30-31). For a given tile
+// layout the high word is a constant, so the kernel passes only the low word and the wrapper
+// (mma_async) pastes the constant on as an immediate: no 64-bit arithmetic per k-step, and no
+// constant rematerialised in a register for each wgmma. Shared addresses are below 2^18 bytes
+// (228 KB on sm_90), so the start address needs no mask and sums of offsets never carry out of
+// bits 0-13 into the leading offset.
 template <class Tile>
-__device__ __forceinline__ u64 desc_k_major(u32 tile, int k) {
-  return smem_desc(tile, 16, Tile::ATOM_BYTES, Tile::MODE) +
-         (((k / Tile::PANEL) * Tile::PANEL_BYTES + (k % Tile::PANEL) * 2) >> 4);
-}
-// MN-major (V as the B of P.V: rows are the reduction, N runs along the row): the slice of
-// rows [k, k + 16); LBO steps from one panel of N to the next, SBO steps 8 rows of K.
+struct KMajor {  // Q, K, P: rows are M or N, the reduction runs along the row
+  // The leading offset is unused for swizzled K-major layouts (set to 16 bytes); SBO steps
+  // 8 rows.
+  static constexpr u64 HI = (u64)((Tile::ATOM_BYTES >> 4) | ((u32)Tile::MODE << 30)) << 32;
+  // The k16 slice starting at column k sits in one panel, 32 bytes into its swizzled rows:
+  // the tile's descriptor plus the slice's offset in 16-byte units, a constant once loops are
+  // unrolled.
+  __device__ static __forceinline__ u32 lo(u32 tile, int k) {
+    return (tile >> 4) + ((16 >> 4) << 16) +
+           (((k / Tile::PANEL) * Tile::PANEL_BYTES + (k % Tile::PANEL) * 2) >> 4);
+  }
+};
 template <class Tile>
-__device__ __forceinline__ u64 desc_mn_major(u32 tile, int k) {
-  return smem_desc(tile, Tile::PANEL_BYTES, Tile::ATOM_BYTES, Tile::MODE) +
-         ((k * Tile::PANEL * 2) >> 4);
-}
+struct MNMajor {  // V as the B of P.V: rows are the reduction, N runs along the row
+  // LBO steps from one panel of N to the next, SBO steps 8 rows of K.
+  static constexpr u64 HI = KMajor<Tile>::HI;
+  // The slice of rows [k, k + 16).
+  __device__ static __forceinline__ u32 lo(u32 tile, int k) {
+    return (tile >> 4) + ((u32)(Tile::PANEL_BYTES >> 4) << 16) + ((k * Tile::PANEL * 2) >> 4);
+  }
+};
 
 // ---- plain shared-memory access by address ------------------------------------------------
 
