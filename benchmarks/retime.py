@@ -94,6 +94,27 @@ def main() -> None:
     points_file = json.loads(args.points.read_text()) if args.points else None
     spaces = default_spaces()
     rows, info = [], None
+
+    def write() -> None:  # after every row: a run cut short keeps what it measured
+        if not args.json:
+            return
+        doc = {
+            "device": info.name if info else None, "driver": info.driver if info else None,
+            "versions": info.versions if info else None,
+            "commit": os.environ.get("EVO_COMMIT", "unknown"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "method": "each candidate: the criterion on validate.plan(workload), then "
+                      f"{measure.TIMING} (inputs rotated past L2, graph replay under "
+                      f"15 GFLOP); the {args.keep} fastest re-timed {args.rounds} rounds "
+                      "interleaved with SDPA flash and cuDNN in the same process (medians over "
+                      "rounds)",
+            "candidates": f"best {args.records} of each recorded sweep in tests/data"
+                          + (f" + {args.points}" if args.points else "")
+                          + "; parameters added since a sweep expanded over their domains",
+            "rows": rows,
+        }
+        args.json.write_text(json.dumps(doc, indent=1))
+
     for dtype in args.dtypes.split(","):
         for text in args.workloads:
             w = Workload.parse_spec(text, dtype=dtype)
@@ -135,26 +156,11 @@ def main() -> None:
                             for f, (s, c, _) in zip(final["candidates"], top, strict=True)],
             }
             rows.append(row)
+            write()
             print(f"{dtype} {text:22} ours {row['ours_us']:8.1f} us  flash {flash or 0:8.1f}  "
                   f"cudnn {cudnn or 0:8.1f}  x{row['vs_flash'] or 0:.2f} flash  "
                   f"x{row['vs_cudnn'] or 0:.2f} cudnn  {row['tflops']:.0f} TFLOPS  "
                   f"({len(timed)}/{len(cands)} valid)  {cand.params}", flush=True)
-    doc = {
-        "device": info.name if info else None, "driver": info.driver if info else None,
-        "versions": info.versions if info else None,
-        "commit": os.environ.get("EVO_COMMIT", "unknown"),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "method": "each candidate: the criterion on validate.plan(workload), then "
-                  f"{measure.TIMING} (inputs rotated past L2, graph replay under "
-                  f"15 GFLOP); the {args.keep} fastest re-timed {args.rounds} rounds interleaved "
-                  "with SDPA flash and cuDNN in the same process (medians over rounds)",
-        "candidates": f"best {args.records} of each recorded sweep in tests/data"
-                      + (f" + {args.points}" if args.points else "")
-                      + "; parameters added since a sweep expanded over their domains",
-        "rows": rows,
-    }
-    if args.json:
-        args.json.write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":
