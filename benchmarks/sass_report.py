@@ -44,7 +44,7 @@ from evoengine.space import SearchSpace  # noqa: E402
 # Opcode classes of the histogram, matched by prefix in this order; the rest is "other".
 CLASSES = ["HGMMA", "HMMA", "WARPGROUP", "LDSM", "STSM", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX",
            "FSEL", "F2FP", "SHFL", "BAR", "SYNCS", "UTMALDG", "LDL", "STL", "LDS", "STS", "STG",
-           "BRA"]
+           "R2UR", "BRA"]
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
 
 

@@ -325,6 +325,32 @@ def test_masked_and_unmasked_loops_are_separate() -> None:
     assert fsel[0] <= 4 and fsel[1] >= 64, loops[:2]
 
 
+@pytest.mark.parametrize(("override", "problem"), [
+    ({}, HD128),
+    ({"BLOCK_M": 192, "P_FROM": "smem", "PINGPONG": True}, {**HD128, "CAUSAL": False}),
+    ({"BLOCK_M": 192, "STAGES": 3, "PINGPONG": True, "PERSISTENT": True, "TILE_ORDER": "l2",
+      "SCHEDULER": "dynamic"}, {**HD64, "CAUSAL": True}),
+])
+def test_key_loops_keep_wgmma_descriptors_in_uniform_registers(override: dict,
+                                                               problem: dict) -> None:
+    """Every address a descriptor is built from is warp-uniform to ptxas (the consumer index and
+    the dynamic tile index are broadcast from lane 0), so the key loops build descriptors with
+    uniform-datapath ops: no R2UR. With them in ordinary registers a d64 block paid 32 R2UR
+    and as many 64-bit adds and moves."""
+    if CUOBJDUMP is None:
+        pytest.skip("no cuobjdump")
+    c = make_candidate(space(), {**BASE, **override}, problem, SM90)
+    r = compile_candidate(c, SM90)
+    check_compiled(c, r)
+    sys.path.insert(0, str(paths.ROOT / "benchmarks"))
+    from sass_report import disassemble, tensor_loops
+
+    loops = [lp for lp in tensor_loops(disassemble(r.cubin or b"")) if lp.get("HGMMA")]
+    assert len(loops) >= 2, loops
+    for lp in loops[:2]:  # the unmasked and the masked key loop
+        assert lp.get("R2UR", 0) == 0, (c.identity, lp)
+
+
 def test_smem_static_assert_ties_space_to_kernel() -> None:
     c = make_candidate(space(), BASE, HD64, SM90)
     bad = compile_source(render(c), SM90, {**c.defines(SM90), "EVO_SMEM_BYTES": c.smem_bytes + 8})
