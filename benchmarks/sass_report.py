@@ -34,10 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evoengine import paths  # noqa: E402
 from evoengine.arch import get_arch  # noqa: E402
-from evoengine.compile import (
-    compile_many,  # noqa: E402
-    cuobjdump_path,  # noqa: E402
-)
+from evoengine.compile import compile_many, cuobjdump_path  # noqa: E402
 from evoengine.render import Candidate, make_candidate  # noqa: E402
 from evoengine.space import SearchSpace  # noqa: E402
 

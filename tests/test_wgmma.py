@@ -310,17 +310,22 @@ def test_dynamic_source_takes_the_counter_last() -> None:
     assert "float scale_log2, int* __restrict__ tile_counter) {" in static  # one ABI for both
 
 
-def test_masked_and_unmasked_loops_are_separate() -> None:
-    """The key loop is split: the unmasked copy of the block body has no mask selects."""
+def key_loops(c: Candidate) -> list[dict[str, object]]:
+    """The loops of ``c``'s SASS that issue HGMMA, innermost first, with their opcode counts
+    (benchmarks/sass_report.py); skips where cuobjdump is missing."""
     if CUOBJDUMP is None:
         pytest.skip("no cuobjdump")
-    c = make_candidate(space(), BASE, HD128, SM90)
     r = compile_candidate(c, SM90)
     check_compiled(c, r)
     sys.path.insert(0, str(paths.ROOT / "benchmarks"))
     from sass_report import disassemble, tensor_loops
 
-    loops = [lp for lp in tensor_loops(disassemble(r.cubin or b"")) if lp.get("HGMMA")]
+    return [lp for lp in tensor_loops(disassemble(r.cubin or b"")) if lp.get("HGMMA")]
+
+
+def test_masked_and_unmasked_loops_are_separate() -> None:
+    """The key loop is split: the unmasked copy of the block body has no mask selects."""
+    loops = key_loops(make_candidate(space(), BASE, HD128, SM90))
     fsel = sorted(int(lp.get("FSEL", 0)) for lp in loops[:2])  # type: ignore[call-overload]
     assert fsel[0] <= 4 and fsel[1] >= 64, loops[:2]
 
@@ -337,15 +342,8 @@ def test_key_loops_keep_wgmma_descriptors_in_uniform_registers(override: dict,
     the dynamic tile index are broadcast from lane 0), so the key loops build descriptors with
     uniform-datapath ops: no R2UR. With them in ordinary registers a d64 block paid 32 R2UR
     and as many 64-bit adds and moves."""
-    if CUOBJDUMP is None:
-        pytest.skip("no cuobjdump")
     c = make_candidate(space(), {**BASE, **override}, problem, SM90)
-    r = compile_candidate(c, SM90)
-    check_compiled(c, r)
-    sys.path.insert(0, str(paths.ROOT / "benchmarks"))
-    from sass_report import disassemble, tensor_loops
-
-    loops = [lp for lp in tensor_loops(disassemble(r.cubin or b"")) if lp.get("HGMMA")]
+    loops = key_loops(c)
     assert len(loops) >= 2, loops
     for lp in loops[:2]:  # the unmasked and the masked key loop
         assert lp.get("R2UR", 0) == 0, (c.identity, lp)

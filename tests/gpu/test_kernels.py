@@ -19,6 +19,15 @@ from evoengine.render import Candidate, make_candidate
 from evoengine.runtime import Kernel, gpu_arch
 from evoengine.space import SearchSpace
 
+
+def wgmma_point(**override: object) -> dict[str, object]:
+    """A wgmma point: 128 x 128, 2 stages, 128-byte swizzle, P from registers, overlap on, no
+    ping-pong, one block per tile, per-head order, static schedule; with ``override``."""
+    return {**dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
+                   INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
+                   SCHEDULER="static"), **override}
+
+
 # Hand-picked points spanning each family's parameters (stages, swizzle, Q placement,
 # one or two m16 tiles per warp, lazy rescale, a register cap, both K/V pipelines).
 CONFIGS = {
@@ -39,21 +48,13 @@ CONFIGS = {
     # sm_90a only: 1, 2 and 3 consumer warpgroups, each swizzle width, P from registers and
     # shared memory, with and without intra-warpgroup overlap, ping-pong and a persistent grid.
     "wgmma": [
-        dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
-             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-             SCHEDULER="static"),
-        dict(BLOCK_M=128, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
-             INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head",
-             SCHEDULER="static"),
-        dict(BLOCK_M=192, BLOCK_N=64, STAGES=4, SWIZZLE=32, P_FROM="regs",
-             INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head",
-             SCHEDULER="static"),
-        dict(BLOCK_M=64, BLOCK_N=176, STAGES=2, SWIZZLE=128, P_FROM="regs",
-             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-             SCHEDULER="static"),
-        dict(BLOCK_M=128, BLOCK_N=96, STAGES=2, SWIZZLE=32, P_FROM="smem",
-             INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=False, TILE_ORDER="head",
-             SCHEDULER="static"),
+        wgmma_point(),
+        wgmma_point(BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem", INTRA_WG_OVERLAP=False,
+                    PINGPONG=True, PERSISTENT=True),
+        wgmma_point(BLOCK_M=192, BLOCK_N=64, STAGES=4, SWIZZLE=32, PINGPONG=True,
+                    PERSISTENT=True),
+        wgmma_point(BLOCK_M=64, BLOCK_N=176),
+        wgmma_point(BLOCK_N=96, SWIZZLE=32, P_FROM="smem", PINGPONG=True),
     ],
 }
 
@@ -252,21 +253,14 @@ def test_wgmma_more_tiles_than_sms(idx: int) -> None:
 # dynamic scheduler (tiles named through shared memory, the end by a Q phase with no bytes)
 # with 2 consumers and O staged apart, and with 3 and ping-pong over the L2 order.
 CAUSAL_ORDER_CONFIGS = [
-    dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
-         INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="l2",
-         SCHEDULER="static"),
-    dict(BLOCK_M=128, BLOCK_N=64, STAGES=2, SWIZZLE=128, P_FROM="regs",
-         INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True, TILE_ORDER="l2",
-         SCHEDULER="static"),
-    dict(BLOCK_M=192, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
-         INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head",
-         SCHEDULER="static"),
-    dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
-         INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head",
-         SCHEDULER="dynamic"),
-    dict(BLOCK_M=192, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
-         INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True, TILE_ORDER="l2",
-         SCHEDULER="dynamic"),
+    wgmma_point(TILE_ORDER="l2"),
+    wgmma_point(BLOCK_N=64, PINGPONG=True, PERSISTENT=True, TILE_ORDER="l2"),
+    wgmma_point(BLOCK_M=192, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
+                INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True),
+    wgmma_point(PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic"),
+    wgmma_point(BLOCK_M=192, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
+                INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True, TILE_ORDER="l2",
+                SCHEDULER="dynamic"),
 ]
 
 
