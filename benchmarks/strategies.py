@@ -406,9 +406,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _commit() -> str | None:
-    from evoengine.search.loop import _commit as commit
+    from evoengine.provenance import git_commit
 
-    return commit()
+    return git_commit()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+from evoengine import paths
 from evoengine.arch import ARCHS, Arch, get_arch
 from evoengine.compile import CompileResult, compile_candidate, compile_many
 from evoengine.render import Candidate, make_candidate
@@ -29,7 +30,7 @@ __all__ = [
 ]
 
 
-def load(store: str = "runs/evoengine.db", arch: Arch | str | None = None,
+def load(store: str = paths.DEFAULT_STORE, arch: Arch | str | None = None,
          study: str | None = None) -> TunedAttention:
     """The store's best kernels as ``attention(q, k, v, causal=False, scale=None)``, the same
     callable an exported module holds; ``arch`` defaults to the GPU present. ``store`` is a

@@ -13,11 +13,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from evoengine import __version__
+from evoengine import __version__, paths
 from evoengine.arch import ARCHS, get_arch
 
 # A replay never writes into the default store: its measurements are not this machine's.
-REPLAY_STORE = "sqlite:///runs/replay.db"
+REPLAY_STORE = f"sqlite:///{paths.REPLAY_STORE}"
 
 
 class UsageError(Exception):

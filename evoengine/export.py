@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import pprint
-import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,13 +33,14 @@ from evoengine._standalone import (
 )
 from evoengine.arch import Arch, get_arch
 from evoengine.compile import compile_many, compile_source, nvrtc_version
+from evoengine.provenance import git_commit
 from evoengine.render import make_candidate, render
 from evoengine.space import SearchSpace
 from evoengine.store import CandidateRecord, EliteRecord, RunRecord, Store
 from evoengine.workload import Workload
 
 LAUNCHER = Path(__file__).with_name("_standalone.py")
-DEFAULT_STORE = "runs/evoengine.db"
+DEFAULT_STORE = paths.DEFAULT_STORE
 
 
 class ExportError(ValueError):
@@ -186,24 +186,12 @@ def namespace_of(specs: list[dict[str, Any]], entries: list[Entry], prefix: str)
     return f"{prefix}_{h.hexdigest()[:12]}"
 
 
-def project_commit() -> str | None:
-    """The git commit of this evoengine checkout, with ``-dirty`` for uncommitted changes."""
-    try:
-        done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"],
-                              cwd=paths.ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if done.returncode != 0:
-        return None
-    return done.stdout.strip() or None
-
-
 def provenance(store: Store, arch: Arch, study: str | None,
                found: list[Winner]) -> dict[str, Any]:
     runs = {w.run.id: w.run for w in found if w.run is not None}
     return {
         "exporter": f"evoengine {__version__}",
-        "commit": project_commit(),
+        "commit": git_commit(),
         "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "store": _shown(store),
         "study": study,

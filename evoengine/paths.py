@@ -11,6 +11,11 @@ ROOT = Path(os.environ.get("EVOENGINE_HOME", Path(__file__).resolve().parent.par
 TEMPLATES = ROOT / "templates"
 SPACES = ROOT / "search_spaces"
 
+# The stores a command uses when given none, relative to the working directory. A replay
+# never writes into the measured store: its numbers are not this machine's.
+DEFAULT_STORE = "runs/evoengine.db"
+REPLAY_STORE = "runs/replay.db"
+
 
 def template_dirs() -> list[Path]:
     """Where families are looked up: the project's templates, then any folders named in

@@ -29,7 +29,6 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-import subprocess
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -45,9 +44,10 @@ from typing import Any
 
 from sqlalchemy import exc as sa_exc
 
-from evoengine import __version__, measure, paths
+from evoengine import __version__, measure
 from evoengine.arch import Arch
 from evoengine.compile import CompileResult, compile_candidate, is_cached, nvrtc_version
+from evoengine.provenance import git_commit
 from evoengine.render import Candidate, render
 from evoengine.search.domain import Domain, Point
 from evoengine.search.evaluator import DeviceInfo, Evaluation, Evaluator, GpuEvaluator
@@ -117,7 +117,7 @@ class SearchResult:
         """The run as the results JSON of ``benchmarks/results/``."""
         return {
             "device": self.device.name, "driver": self.device.driver,
-            "torch": self.device.versions.get("torch"), "commit": _commit(),
+            "torch": self.device.versions.get("torch"), "commit": git_commit(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "study": self.study, "run_id": self.run_id,
             "method": f"{measure.TIMING} (graph replay of 64 calls, "
@@ -225,7 +225,7 @@ def _search(config: SearchConfig, evaluator: Evaluator | None, progress: Progres
                                     direction="minimize", load_if_exists=True)
         _claim_study(study, arch, w)
         run_id = store.start_run(arch=arch.name, workload=w.to_dict(), workload_key=key,
-                                 device=info.name, versions=_versions(info), commit=_commit(),
+                                 device=info.name, versions=_versions(info), commit=git_commit(),
                                  study=study_name)
         tally = Tally(planned=config.trials)
         tally.per_gpu = {d: 0 for d in devices}
@@ -798,17 +798,6 @@ def _arch_of(info: DeviceInfo) -> Arch:
 def _versions(info: DeviceInfo) -> dict[str, str]:
     return {"evoengine": __version__, "compiler": nvrtc_version(), "driver": info.driver,
             **info.versions}
-
-
-def _commit() -> str | None:
-    if os.environ.get("EVO_COMMIT"):
-        return os.environ["EVO_COMMIT"]
-    try:
-        out = subprocess.run(["git", "-C", str(paths.ROOT), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _compiler_init() -> None:

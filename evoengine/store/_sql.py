@@ -14,6 +14,7 @@ from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
 from sqlalchemy.orm import Session, contains_eager, selectinload, sessionmaker
 
+from evoengine import paths
 from evoengine.store import migrations
 from evoengine.store.models import (
     RUN_STATUSES,
@@ -33,7 +34,7 @@ from evoengine.store.records import (
     RunRecord,
 )
 
-DEFAULT_URL = "sqlite:///runs/evoengine.db"
+DEFAULT_URL = f"sqlite:///{paths.DEFAULT_STORE}"
 _FINISHED_STATUSES = tuple(status for status in RUN_STATUSES if status != "running")
 
 
