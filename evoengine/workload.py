@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
 
 DTYPES = ("fp16", "bf16")
 _KEY = re.compile(r"b(\d+)-h(\d+)-kv(\d+)-sq(\d+)-sk(\d+)-d(\d+)-(causal|full)-(\w+)")
@@ -11,7 +12,12 @@ _KEY = re.compile(r"b(\d+)-h(\d+)-kv(\d+)-sq(\d+)-sk(\d+)-d(\d+)-(causal|full)-(
 
 @dataclass(frozen=True)
 class Workload:
-    """Q is [batch, heads, seq_q, head_dim]; K and V are [batch, kv_heads, seq_k, head_dim]."""
+    """Q is [batch, heads, seq_q, head_dim]; K and V are [batch, kv_heads, seq_k, head_dim].
+
+    The forward's workload (``evoengine.problems.forward``); its keys predate problem kinds
+    and carry no kind prefix."""
+
+    kind: ClassVar[str] = "fwd"
 
     batch: int
     heads: int
@@ -93,4 +99,4 @@ class Workload:
         return 4.0 * self.batch * self.heads * pairs * self.head_dim
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return {"kind": self.kind, **asdict(self)}

@@ -142,9 +142,9 @@ def test_flops_scale_with_heads_not_kv_heads() -> None:
 def test_to_dict_round_trips() -> None:
     w = Workload(2, 8, 100, 64, kv_heads=2, seq_k=50, causal=True, dtype="bf16")
     d = w.to_dict()
-    assert d == {"batch": 2, "heads": 8, "seq_q": 100, "head_dim": 64, "kv_heads": 2,
-                 "seq_k": 50, "causal": True, "dtype": "bf16"}
-    assert Workload(**d) == w  # type: ignore[arg-type]
+    assert d == {"kind": "fwd", "batch": 2, "heads": 8, "seq_q": 100, "head_dim": 64,
+                 "kv_heads": 2, "seq_k": 50, "causal": True, "dtype": "bf16"}
+    assert Workload.from_dict(d) == w
 
 
 def test_parse_spec_reads_the_benchmarks_workload_lists() -> None:

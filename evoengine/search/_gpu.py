@@ -66,7 +66,7 @@ class _Worker:
             raise RuntimeError("no CUDA GPU is visible to torch")
         torch.cuda.set_device(device)
         self.device = device
-        self.workload = Workload(**workload_dict)
+        self.workload = Workload.from_dict(workload_dict)
         props = torch.cuda.get_device_properties(device)
         self.info = DeviceInfo(
             name=props.name, capability=(props.major, props.minor), driver=_driver(),

@@ -1,0 +1,106 @@
+"""What a problem is: the contract every kind of attention call implements.
+
+A **problem** is one way attention is called (the forward today; the backward, ragged
+prefill and decode next). It declares everything the pipeline needs to know about that call
+and nothing about how a kernel schedules it:
+
+- its workload type (the shape of one call: what a search is for, what the store keys on),
+  with the dimensions compiled into a kernel (``Workload.problem()``: a space's
+  ``[problem]`` table), its key (``Workload.key()``) and its FLOP count;
+- the command-line flags that name a workload;
+- its correctness criterion (defined in ``evoengine.validate``, applied by ``check``);
+- the inputs a kernel is timed on, how a loaded kernel is called on them, and the anchors
+  (SDPA's backends) timed next to it in the same process;
+- how a compiled candidate is loaded for the GPU.
+
+A search space names its problem with ``kind = "..."`` (``"fwd"`` where absent), so a
+search, a store row, a replay record and an exported entry all say which problem they are
+of. Adding a kind is a module under ``evoengine/problems/`` plus its templates and spaces:
+register it in ``evoengine/problems/__init__.py``.
+
+Contract: implementations are stateless singletons. ``check`` returns a ``Verdict`` and
+never raises for a wrong answer (a fault, a CUDA error, is the caller's to catch);
+``workload_from_*`` raise ``ValueError`` with a one-line message for bad input; nothing here
+mutates the workload (workloads are frozen dataclasses).
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from evoengine.compile import CompileResult
+    from evoengine.measure import Timing
+    from evoengine.render import Candidate
+    from evoengine.validate import Verdict
+
+DEFAULT_KIND = "fwd"
+
+
+class Workload(Protocol):
+    """What every problem's workload provides (frozen dataclasses in practice)."""
+
+    kind: ClassVar[str]
+    dtype: str
+
+    def key(self) -> str: ...
+    def problem(self) -> dict[str, object]: ...
+    def flops(self) -> float: ...
+    def to_dict(self) -> dict[str, object]: ...
+
+
+TimedCall = Callable[[int], None]  # fn(i): one call on input set i, as measure.time_calls takes
+
+
+class Problem(abc.ABC):
+    """One kind of attention call; see the module docstring."""
+
+    kind: ClassVar[str]
+    summary: ClassVar[str]
+    anchors: ClassVar[tuple[str, ...]] = ()  # what a kernel is timed next to, same process
+
+    # ---- workloads -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def workload_from_dict(self, data: Mapping[str, Any]) -> Workload:
+        """The workload ``to_dict()`` wrote (the store's run rows, replay records)."""
+
+    @abc.abstractmethod
+    def workload_from_key(self, key: str) -> Workload:
+        """The workload ``key()`` names; ``ValueError`` if ``key`` is not one of this kind."""
+
+    @abc.abstractmethod
+    def add_arguments(self, parser: argparse.ArgumentParser | Any) -> None:
+        """The command-line flags that name a workload of this kind."""
+
+    @abc.abstractmethod
+    def workload_from_arguments(self, args: argparse.Namespace) -> Workload:
+        """The workload the flags of ``add_arguments`` name; ``ValueError`` if they name none."""
+
+    # ---- on the GPU ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def load(self, candidate: Candidate, compiled: CompileResult) -> Any:
+        """The compiled candidate, loaded on the current CUDA device and ready to call."""
+
+    @abc.abstractmethod
+    def check(self, kernel: Any, workload: Any, *, device: str = "cuda") -> Verdict:
+        """The criterion of ``evoengine.validate`` for this kind, on every shape it plans."""
+
+    @abc.abstractmethod
+    def inputs(self, workload: Any, device: str | int = "cuda") -> Sequence[tuple[Any, ...]]:
+        """Input sets for timing, enough of them to rotate past L2."""
+
+    @abc.abstractmethod
+    def timed_call(self, kernel: Any, workload: Any,
+                   sets: Sequence[tuple[Any, ...]]) -> TimedCall:
+        """``fn(i)``: the loaded kernel on input set ``i``."""
+
+    @abc.abstractmethod
+    def time_anchor(self, anchor: str, workload: Any, sets: Sequence[tuple[Any, ...]],
+                    **timing: Any) -> Timing | None:
+        """Time ``anchor`` (one of ``anchors``) on the sets as ``measure.time_calls`` would
+        (``timing`` is its keywords); None where that anchor cannot run the workload here."""

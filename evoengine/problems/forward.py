@@ -1,0 +1,77 @@
+"""The forward pass: ``out = softmax(q k^T * scale) v`` (and its log-sum-exp), one call.
+
+The workload is ``evoengine.workload.Workload`` (Q [B, H, Sq, D], K and V [B, KV, Sk, D],
+causal aligned bottom-right, fp16 or bf16); the criterion is ``validate.check_workload``;
+kernels are ``runtime.Kernel``; the anchors are SDPA's flash and cuDNN backends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from evoengine.problems.base import Problem, TimedCall
+from evoengine.workload import DTYPES, Workload
+
+if TYPE_CHECKING:
+    from evoengine.compile import CompileResult
+    from evoengine.measure import Timing
+    from evoengine.render import Candidate
+    from evoengine.validate import Verdict
+
+
+class Forward(Problem):
+    kind = "fwd"
+    summary = "attention forward: out (and log-sum-exp) from q, k, v"
+    anchors = ("flash", "cudnn")  # SDPA's backends
+
+    def workload_from_dict(self, data: Mapping[str, Any]) -> Workload:
+        return Workload.from_dict(dict(data))
+
+    def workload_from_key(self, key: str) -> Workload:
+        return Workload.from_key(key)
+
+    def add_arguments(self, parser: argparse.ArgumentParser | Any) -> None:
+        parser.add_argument("--shape", metavar="B,H,S,D",
+                            help="batch, query heads, query length, head dim")
+        parser.add_argument("--kv-heads", type=int, metavar="N", help="key/value heads "
+                            "(default: H; a divisor of H for GQA/MQA)")
+        parser.add_argument("--seq-k", type=int, metavar="S", help="key length (default: S)")
+        parser.add_argument("--causal", action="store_true",
+                            help="causal mask, aligned bottom-right")
+        parser.add_argument("--dtype", choices=DTYPES, default="fp16")
+
+    def workload_from_arguments(self, args: argparse.Namespace) -> Workload:
+        if args.shape is None:
+            raise ValueError("--shape B,H,S,D is required")
+        return Workload.parse(args.shape, kv_heads=args.kv_heads, seq_k=args.seq_k,
+                              causal=args.causal, dtype=args.dtype)
+
+    def load(self, candidate: Candidate, compiled: CompileResult) -> Any:
+        from evoengine.runtime import Kernel
+
+        return Kernel(candidate, compiled)
+
+    def check(self, kernel: Any, workload: Any, *, device: str = "cuda") -> Verdict:
+        from evoengine import validate
+
+        return validate.check_workload(kernel, workload, device=device)
+
+    def inputs(self, workload: Any, device: str | int = "cuda") -> Sequence[tuple[Any, ...]]:
+        from evoengine import measure
+
+        return measure.workload_inputs(workload, device)
+
+    def timed_call(self, kernel: Any, workload: Any,
+                   sets: Sequence[tuple[Any, ...]]) -> TimedCall:
+        from evoengine import measure
+
+        return measure.kernel_call(kernel, sets, 1.0 / math.sqrt(workload.head_dim))
+
+    def time_anchor(self, anchor: str, workload: Any, sets: Sequence[tuple[Any, ...]],
+                    **timing: Any) -> Timing | None:
+        from evoengine import measure
+
+        return measure.time_sdpa(workload, sets, anchor, **timing)

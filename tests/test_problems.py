@@ -1,0 +1,50 @@
+"""The registry of problem kinds: one declared thing every stage dispatches on."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from evoengine import problems
+from evoengine.problems.base import Problem
+from evoengine.workload import Workload
+
+
+def test_the_forward_is_registered_under_its_kind() -> None:
+    fwd = problems.problem("fwd")
+    assert isinstance(fwd, Problem) and fwd.kind == "fwd" == Workload.kind
+    assert problems.problem_of(Workload(1, 2, 3, 64)) is fwd
+    assert fwd.anchors == ("flash", "cudnn")
+
+
+def test_an_unknown_kind_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"unknown problem kind 'nope' \(known: fwd"):
+        problems.problem("nope")
+
+
+@pytest.mark.parametrize("w", [Workload(2, 8, 100, 64, kv_heads=2, seq_k=50, causal=True,
+                                        dtype="bf16"), Workload(1, 1, 1, 16)])
+def test_workloads_round_trip_through_keys_and_dicts(w: Workload) -> None:
+    assert problems.workload_from_key(w.key()) == w
+    assert problems.workload_from_dict(w.to_dict()) == w
+
+
+def test_dicts_and_keys_from_before_kinds_are_forwards() -> None:
+    old = {"batch": 2, "heads": 8, "seq_q": 100, "head_dim": 64, "kv_heads": 8, "seq_k": 100,
+           "causal": False, "dtype": "fp16"}  # a run row written before kinds existed
+    assert problems.workload_from_dict(old) == Workload(2, 8, 100, 64)
+    assert problems.workload_from_key("b2-h8-kv8-sq100-sk100-d64-full-fp16") == Workload(
+        2, 8, 100, 64)
+
+
+def test_the_forward_names_its_workload_by_flags() -> None:
+    fwd = problems.problem("fwd")
+    parser = argparse.ArgumentParser()
+    fwd.add_arguments(parser)
+    args = parser.parse_args(["--shape", "2,8,100,64", "--kv-heads", "2", "--causal",
+                              "--dtype", "bf16"])
+    assert fwd.workload_from_arguments(args) == Workload(2, 8, 100, 64, kv_heads=2,
+                                                         causal=True, dtype="bf16")
+    with pytest.raises(ValueError, match="--shape"):
+        fwd.workload_from_arguments(parser.parse_args([]))
