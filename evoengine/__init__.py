@@ -9,6 +9,7 @@ The pipeline, one module each: ``space`` (what may be tried) -> ``render`` (CUDA
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -30,11 +31,12 @@ __all__ = [
 ]
 
 
-def load(store: str = paths.DEFAULT_STORE, arch: Arch | str | None = None,
-         study: str | None = None) -> TunedAttention:
+def load(store: str | os.PathLike[str] | None = paths.DEFAULT_STORE,
+         arch: Arch | str | None = None, study: str | None = None) -> TunedAttention:
     """The store's best kernels as ``attention(q, k, v, causal=False, scale=None)``, the same
-    callable an exported module holds; ``arch`` defaults to the GPU present. ``store`` is a
-    path to a SQLite file or any SQLAlchemy URL."""
+    callable an exported module holds; ``arch`` defaults to the GPU present. ``store`` is
+    named as every command names one (``evoengine.store.resolve_url``: a path to a SQLite
+    file or any SQLAlchemy URL) and must exist: a missing one is a ``FileNotFoundError``."""
     from evoengine.export import load as load_from_store
 
     return load_from_store(store, arch, study)

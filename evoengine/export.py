@@ -47,18 +47,6 @@ class ExportError(ValueError):
     """Nothing to export, or an elite that cannot be built; the message says which."""
 
 
-def store_url(store: str | os.PathLike[str]) -> str:
-    """A SQLAlchemy URL from a URL or a path to an existing SQLite file."""
-    text = os.fspath(store)
-    if "://" in text:
-        return text
-    path = Path(text).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"no store at {path}; run `evoengine search` first or pass "
-                                "--store")
-    return f"sqlite:///{path.resolve()}"
-
-
 def _shown(store: Store) -> str:
     """The store's URL as shown to people: without its password."""
     return sa.make_url(store.url).render_as_string(hide_password=True)
@@ -205,16 +193,17 @@ def provenance(store: Store, arch: Arch, study: str | None,
     }
 
 
-def load(store: str | os.PathLike[str] = DEFAULT_STORE, arch: Arch | str | None = None,
+def load(store: str | os.PathLike[str] | None = DEFAULT_STORE, arch: Arch | str | None = None,
          study: str | None = None) -> TunedAttention:
     """The exported module's ``attention``, built straight from the store, for ``arch``
-    (default: the GPU present)."""
+    (default: the GPU present). ``store`` is named as ``Store`` names it (a path or a
+    SQLAlchemy URL) and must exist."""
     if arch is None:
         from evoengine.runtime import gpu_arch
 
         arch = gpu_arch()
     arch = get_arch(arch) if isinstance(arch, str) else arch
-    with Store(store_url(store)) as s:
+    with Store(store, create=False) as s:
         found = winners(s, arch, study)
         prov = provenance(s, arch, study, found)
     specs, entries = kernel_specs(found, arch)
@@ -240,11 +229,12 @@ class Exported:
                 f"{m} dispatch entr{'ies' if m != 1 else 'y'} ({keys})")
 
 
-def export_best(store: str | os.PathLike[str], arch: Arch | str, *, study: str | None = None,
+def export_best(store: str | os.PathLike[str] | None, arch: Arch | str, *, study: str | None = None,
                 output: str | os.PathLike[str] = "tuned_attention.py") -> Exported:
-    """Write the module for ``arch``."""
+    """Write the module for ``arch`` from ``store`` (a path or a SQLAlchemy URL; it must
+    exist)."""
     arch = get_arch(arch) if isinstance(arch, str) else arch
-    with Store(store_url(store)) as s:
+    with Store(store, create=False) as s:
         found = winners(s, arch, study)
         prov = provenance(s, arch, study, found)
     specs, entries = kernel_specs(found, arch)

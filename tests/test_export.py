@@ -25,7 +25,7 @@ import evoengine
 from evoengine import _standalone, paths
 from evoengine.arch import get_arch
 from evoengine.compile import compile_candidate
-from evoengine.export import ExportError, export_best, load, render_module, store_url
+from evoengine.export import ExportError, export_best, load, render_module
 from evoengine.render import Candidate, make_candidate, render
 from evoengine.space import SearchSpace
 from evoengine.store import Store
@@ -286,12 +286,12 @@ def test_nothing_to_export_says_what_there_is(built: Built, tmp_path: Path, arch
     assert not (tmp_path / "x.py").exists()
 
 
-def test_store_is_a_path_or_a_url(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="no store at"):
-        store_url(tmp_path / "missing.db")
-    assert store_url("postgresql://u@h/db") == "postgresql://u@h/db"
-    (tmp_path / "e.db").touch()
-    assert store_url(tmp_path / "e.db") == f"sqlite:///{tmp_path / 'e.db'}"
+def test_a_missing_store_is_refused_not_created(tmp_path: Path) -> None:
+    missing = tmp_path / "typo" / "e.db"
+    for store in (missing, str(missing), f"sqlite:///{missing}"):
+        with pytest.raises(FileNotFoundError, match=f"no store at {re.escape(str(missing))}"):
+            export_best(store, "sm_90a", output=tmp_path / "x.py")
+    assert not missing.parent.exists()
 
 
 def test_load_gives_the_same_dispatch_from_the_store(module: ModuleType, built: Built,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sqlite3
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -12,7 +14,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from evoengine.store import LATEST_VERSION, Store, migrations
+from evoengine import paths
+from evoengine.store import LATEST_VERSION, Store, migrations, resolve_url
 from evoengine.store.models import Base
 
 # Deliberately not alphabetical: the store must keep the declared order.
@@ -290,7 +293,9 @@ def test_default_url_creates_runs_folder(tmp_path: Path, monkeypatch: pytest.Mon
 @pytest.mark.parametrize(
     ("url", "shown"),
     [
-        ("not a url", "not a url"),
+        ("sqlite:runs/evo.db", "sqlite:runs/evo.db"),  # a scheme without '://' is no path
+        ("://host/db", "://host/db"),
+        ("postgresql://u@h:port/db", "postgresql://u@h:port/db"),
         ("nosuchdialect://host/db", "nosuchdialect://host/db"),
         ("sqlite:///{tmp}", "{tmp}"),  # a folder, not a database file
     ],
@@ -302,6 +307,86 @@ def test_bad_url_is_a_one_line_value_error(tmp_path: Path, url: str, shown: str)
     message = str(caught.value)
     assert shown in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("given", "url"),
+    [
+        (None, f"sqlite:///{paths.DEFAULT_STORE}"),
+        ("runs/replay.db", "sqlite:///runs/replay.db"),
+        (" runs/replay.db ", "sqlite:///runs/replay.db"),
+        ("/abs/evo.db", "sqlite:////abs/evo.db"),
+        (Path("runs/evo.db"), "sqlite:///runs/evo.db"),
+        ("~/evo.db", f"sqlite:///{Path('~/evo.db').expanduser()}"),
+        ("sqlite:///runs/evo.db", "sqlite:///runs/evo.db"),
+        ("sqlite://", "sqlite://"),
+        ("postgresql+psycopg://user:pw@host/evo", "postgresql+psycopg://user:pw@host/evo"),
+    ],
+)
+def test_resolve_url_takes_paths_and_urls(given: str | Path | None, url: str) -> None:
+    assert resolve_url(given) == url
+
+
+def test_a_path_a_url_and_a_path_object_open_one_store(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with Store("runs/replay.db") as store:
+        start(store)
+        assert store.url == url_of(tmp_path / "runs" / "replay.db")
+    for name in (tmp_path / "runs" / "replay.db", "sqlite:///runs/replay.db", "runs/replay.db"):
+        with Store(name, create=False) as store:
+            assert len(store.runs()) == 1
+
+
+def test_a_reader_never_creates_a_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name in ("sqlite:///runs/typo/evo.db", "runs/typo/evo.db", None):
+        with pytest.raises(FileNotFoundError) as caught:
+            Store(name, create=False)
+        assert str(caught.value).startswith("no store at ")
+        assert "\n" not in str(caught.value)
+    assert list(tmp_path.iterdir()) == []  # no runs/, no runs/typo/, no file
+    with pytest.raises(FileNotFoundError, match="in-memory"):
+        Store("sqlite://", create=False)
+
+
+def test_a_reader_refuses_a_database_evoengine_never_wrote(db: Path) -> None:
+    with raw(db) as conn:
+        conn.execute("CREATE TABLE trials (trial_id INTEGER PRIMARY KEY)")
+    with pytest.raises(FileNotFoundError, match="holds no evoengine tables"):
+        Store(db, create=False)
+    with raw(db) as conn:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+    assert tables == {"trials"}
+    with Store(db) as store:  # a writer makes it a store; then readers open it
+        start(store)
+    with Store(db, create=False) as store:
+        assert len(store.runs()) == 1
+
+
+POSTGRES = os.environ.get("EVO_TEST_POSTGRES")
+
+
+@pytest.mark.skipif(not POSTGRES, reason="EVO_TEST_POSTGRES is not set (.ci/run sets it)")
+def test_a_missing_postgresql_database_is_one_line(tmp_path: Path) -> None:
+    assert POSTGRES
+    server = sa.make_url(POSTGRES)
+    name = f"evo_test_{uuid.uuid4().hex[:12]}"
+    missing = server.set(database=name).render_as_string(hide_password=False)
+    for create in (False, True):  # the server creates no database either way
+        with pytest.raises(ValueError) as caught:
+            Store(missing, create=create)
+        assert name in str(caught.value) and "\n" not in str(caught.value)
+    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        with pytest.raises(FileNotFoundError, match="holds no evoengine tables"):
+            Store(missing, create=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 def test_only_evo_tables_are_created_and_others_left_alone(db: Path) -> None:

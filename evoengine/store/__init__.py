@@ -1,12 +1,14 @@
 """Persistence of runs, candidates, compile reports, measurements and elites.
 
-``Store(url)`` opens (and migrates) the database; everything it returns is a frozen record
-from ``records``. The schema lives in ``models`` and evolves through ``migrations``.
+``Store(url)`` opens (and migrates) the database, ``Store(url, create=False)`` only one
+that exists; ``resolve_url`` is how every command names a store (a path or a SQLAlchemy
+URL). Everything a store returns is a frozen record from ``records``. The schema lives in
+``models`` and evolves through ``migrations``.
 """
 
 from __future__ import annotations
 
-from evoengine.store._sql import DEFAULT_URL, ClaimLost, Store
+from evoengine.store._sql import DEFAULT_URL, ClaimLost, Store, resolve_url
 from evoengine.store.migrations import LATEST_VERSION
 from evoengine.store.records import (
     CandidateRecord,
@@ -26,4 +28,5 @@ __all__ = [
     "MeasurementRecord",
     "RunRecord",
     "Store",
+    "resolve_url",
 ]

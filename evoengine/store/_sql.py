@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,17 +46,55 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _resolve_sqlite_path(url: URL) -> URL:
-    """Make a file database's path absolute and create its folder.
+# A URL's scheme ("sqlite:", "postgresql+psycopg:"): text that starts with one is never a path.
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def resolve_url(store: str | os.PathLike[str] | None = None) -> str:
+    """The SQLAlchemy URL of a store, named any way a user may name one.
+
+    ``None`` is the default store (``paths.DEFAULT_STORE``); a path (``runs/replay.db``,
+    ``~/evo.db``, a ``pathlib.Path``) is a SQLite file; text with ``://`` is a SQLAlchemy URL
+    (``sqlite:///runs/evo.db``, ``postgresql+psycopg://user@host/db``) and is returned as
+    given. Every command, ``Store`` and ``evoengine.load`` name stores through this one
+    function. Raises a one-line ``ValueError`` for text that is neither, e.g. ``sqlite:x.db``.
+    """
+    if store is None:
+        return f"sqlite:///{paths.DEFAULT_STORE}"
+    if isinstance(store, os.PathLike):
+        return f"sqlite:///{Path(store).expanduser()}"
+    text = store.strip()
+    if not text:
+        raise ValueError("empty store URL; give a path to a SQLite file or a SQLAlchemy URL")
+    if "://" in text:
+        try:
+            sa.make_url(text)
+        except (ArgumentError, ValueError) as exc:
+            raise ValueError(f"invalid store URL {text!r}: {_first_line(exc)}") from None
+        return text
+    if _SCHEME.match(text):
+        raise ValueError(f"invalid store URL {text!r}: a URL has '://' (sqlite:///runs/evo.db, "
+                         "postgresql://host/db); a SQLite file is named by its path alone")
+    return f"sqlite:///{Path(text).expanduser()}"
+
+
+def _resolve_sqlite_path(url: URL, create: bool) -> URL:
+    """Make a file database's path absolute and, when ``create``, create its folder.
 
     A relative path would otherwise be resolved again, against whatever the working
-    directory is, each time the pool opens a connection.
+    directory is, each time the pool opens a connection. Without ``create`` a missing file
+    is a ``FileNotFoundError``: SQLite would otherwise create it, empty.
     """
     database = url.database or ""
     if database in ("", ":memory:") or database.startswith("file:"):
+        if not create and database in ("", ":memory:"):
+            raise FileNotFoundError("no store in an in-memory SQLite database: it starts empty")
         return url
     path = Path(database).expanduser().resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    elif not path.is_file():
+        raise FileNotFoundError(f"no store at {path}")
     return url.set(database=str(path))
 
 
@@ -85,16 +125,23 @@ def _configure_sqlite(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-def _open_engine(url: str) -> Engine:
-    """An engine for ``url``, checked by connecting once; any failure is a one-line ValueError."""
-    try:
-        parsed = sa.make_url(url)
-    except ArgumentError as exc:
-        raise ValueError(f"invalid store URL {url!r}: {_first_line(exc)}") from None
+def _open_engine(url: str, create: bool) -> Engine:
+    """An engine for ``url``, checked by connecting once.
+
+    A URL that cannot be parsed or opened is a one-line ``ValueError``; without ``create``, a
+    SQLite file that does not exist is a ``FileNotFoundError`` (a server's missing database
+    is the server's error, a ``ValueError``).
+    """
+    parsed = sa.make_url(url)  # resolve_url has parsed it once already
     shown = parsed.render_as_string(hide_password=True)
+    if parsed.get_backend_name() == "sqlite":
+        try:
+            parsed = _resolve_sqlite_path(parsed, create)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:  # a folder that cannot be created
+            raise ValueError(f"invalid store URL {shown!r}: {_first_line(exc)}") from None
     try:
-        if parsed.get_backend_name() == "sqlite":
-            parsed = _resolve_sqlite_path(parsed)
         engine = sa.create_engine(parsed)
     except (ArgumentError, ImportError, OSError) as exc:
         raise ValueError(f"invalid store URL {shown!r}: {_first_line(exc)}") from None
@@ -194,22 +241,34 @@ class ClaimLost(RuntimeError):
 class Store:
     """Everything the search records, in the SQL database named by ``url``.
 
-    ``None`` means ``sqlite:///runs/evoengine.db`` under the current directory; any
-    SQLAlchemy URL is accepted, and the schema is written for SQLite and PostgreSQL (only
-    SQLite runs in the tests; PostgreSQL's DDL is rendered there). Opening applies any
-    missing schema migrations. Only tables named ``evo_*`` are ever touched, so Optuna can
-    share the database. Methods return frozen records, never live ORM objects.
+    ``url`` is what ``resolve_url`` takes: ``None`` for ``runs/evoengine.db`` under the
+    current directory, a path to a SQLite file, or any SQLAlchemy URL. The schema is
+    written for SQLite and PostgreSQL (only SQLite runs in the tests; PostgreSQL's DDL is
+    rendered there). Opening applies any missing schema migrations. Only tables named
+    ``evo_*`` are ever touched, so Optuna can share the database. Methods return frozen
+    records, never live ORM objects.
+
+    ``create=False`` is for readers: a store that does not exist yet (no such SQLite file, or
+    a database evoengine never wrote to) raises ``FileNotFoundError`` naming it instead of
+    being created empty, folders and all, so a mistyped URL cannot pass for an empty store.
+    An existing store of an older schema is still upgraded, as on every open.
 
     Raises ``ValueError`` for a URL that cannot be parsed or opened, ``RuntimeError`` for a
     database written by a newer evoengine, and ``KeyError`` when a method is given a run id
     or candidate identity that is not stored.
     """
 
-    def __init__(self, url: str | None = None) -> None:
-        self._engine = _open_engine(DEFAULT_URL if url is None else url)
+    def __init__(self, url: str | os.PathLike[str] | None = None, *, create: bool = True) -> None:
+        self._engine = _open_engine(resolve_url(url), create)
         # The URL actually opened (a SQLite path made absolute), e.g. for Optuna to share.
         self.url: str = self._engine.url.render_as_string(hide_password=False)
         try:
+            if not create:
+                with self._engine.connect() as conn:
+                    if migrations.current_version(conn) == 0:
+                        shown = self._engine.url.render_as_string(hide_password=True)
+                        raise FileNotFoundError(f"no store at {shown}: the database holds "
+                                                "no evoengine tables")
             migrations.upgrade(self._engine)
         except BaseException:
             self._engine.dispose()
