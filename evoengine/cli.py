@@ -1,33 +1,39 @@
 """The ``evoengine`` command: a thin layer over the Python API.
 
-Every subcommand turns a user mistake (bad arch, bad shape, missing file, no GPU) into one
-line on stderr and exit status 2; tracebacks are for bugs only.
+Every subcommand turns a user mistake (bad arch, bad shape, bad option value, missing file
+or store, no GPU) into one line on stderr and exit status 2; tracebacks are for bugs only.
+Every ``--store`` is named the same way (``evoengine.store.resolve_url``: a path to a SQLite
+file or a SQLAlchemy URL); commands that only read refuse a store that does not exist.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from evoengine import __version__, paths
-from evoengine.arch import ARCHS, get_arch
+from evoengine.arch import ARCHS, Arch, get_arch
 
-# A replay never writes into the default store: its measurements are not this machine's.
-REPLAY_STORE = f"sqlite:///{paths.REPLAY_STORE}"
+if TYPE_CHECKING:
+    from evoengine.workload import Workload
+
+T = TypeVar("T", int, float)
 
 
 class UsageError(Exception):
     """A problem with what the user asked for; printed as one line, exit status 2."""
 
 
-def _spaces(paths: Sequence[str] | None) -> list:
+def _spaces(files: Sequence[str] | None) -> list:
     from evoengine.space import SearchSpace, default_spaces
 
-    return [SearchSpace.load(p) for p in paths] if paths else default_spaces()
+    return [SearchSpace.load(f) for f in files] if files else default_spaces()
 
 
 # ---- compile-check ------------------------------------------------------------------------
@@ -70,13 +76,30 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
 
 # ---- store views --------------------------------------------------------------------------
 
-def _open_store(url: str | None):  # type: ignore[no-untyped-def]
+def _missing_store(e: FileNotFoundError, given: str | None) -> UsageError:
+    """A reading command's one line for a store that does not exist, with where to look."""
+    hint = "run `evoengine search` first or pass --store"
+    if given is None and Path(paths.REPLAY_STORE).is_file():
+        hint = (f"{paths.REPLAY_STORE} holds replayed searches: pass --store "
+                f"{paths.REPLAY_STORE}")
+    return UsageError(f"{e}; {hint}")
+
+
+def _open_store(given: str | None):  # type: ignore[no-untyped-def]
+    """The store a reading command names (default runs/evoengine.db); never created here."""
     from evoengine.store import Store
 
-    if url is None and not Path("runs/evoengine.db").exists():
-        raise UsageError("no store at runs/evoengine.db; run `evoengine search` first "
-                         "or pass --store")
-    return Store(url)
+    try:
+        return Store(given, create=False)
+    except FileNotFoundError as e:
+        raise _missing_store(e, given) from None
+
+
+def _shown(store) -> str:  # type: ignore[no-untyped-def]
+    """A store's URL as shown to people: without its password."""
+    import sqlalchemy as sa
+
+    return sa.make_url(store.url).render_as_string(hide_password=True)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -99,19 +122,47 @@ def cmd_list(args: argparse.Namespace) -> int:
     elif not rows:
         print(f"no {args.what} in the store")
     else:
-        for row in rows:
-            print("  ".join(f"{k}={v}" for k, v in row.items()))
+        for row in rows:  # times to 0.1 us, as everywhere else; --json keeps what was stored
+            print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in row.items()))
     return 0
+
+
+def _timing(m) -> str:  # type: ignore[no-untyped-def]
+    """A measurement's time, or its failure, on one line."""
+    if not m.ok:
+        return f"failed: {m.reason}"
+    text = f"{m.median_us:.1f} us +- {m.spread_us:.1f}"
+    if m.tflops:
+        text += f", {m.tflops:.1f} TFLOPS"
+    extra = m.extra or {}
+    sdpa = [f"{name} {extra[key]:.1f} us" for name, key in
+            (("flash", "sdpa_flash_us"), ("cuDNN", "sdpa_cudnn_us")) if extra.get(key)]
+    return text + (f"; SDPA {', '.join(sdpa)}" if sdpa else "")
+
+
+def _phase(m) -> str:  # type: ignore[no-untyped-def]
+    """Which step of its run took a measurement: a search trial or the final re-time."""
+    extra = m.extra or {}
+    if extra.get("phase") == "search":
+        return f"search   trial {extra.get('trial')}"
+    if extra.get("phase") == "final":
+        return f"re-time  {extra.get('rounds')} rounds, interleaved with SDPA"
+    return str(extra.get("phase", "measured"))
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     with _open_store(args.store) as store:
         cand = store.candidate(args.identity)
         if cand is None:
-            raise UsageError(f"no candidate {args.identity!r} in {store.url}")
+            raise UsageError(f"no candidate {args.identity!r} in {_shown(store)}; "
+                             "`evoengine list candidates` lists them")
         measurements = store.measurements(identity=args.identity)
+        runs = {r: store.run(r) for r in dict.fromkeys(m.run_id for m in measurements)}
+        elites = [e for e in store.elites() if e.identity == args.identity]
     if args.source:
-        print(cand.source)
+        source = _source(cand)
+        print(source, end="" if source.endswith("\n") else "\n")
         return 0
     print(f"identity  {cand.identity}\nfamily    {cand.family}\ntemplate  {cand.template_hash}")
     print(f"problem   {json.dumps(cand.problem)}\nparams    {json.dumps(cand.params)}")
@@ -119,14 +170,49 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"compile   {arch}: " + (f"regs {r.registers}, spill {r.spill_bytes}, smem "
                                        f"{r.smem_bytes}, {r.compile_seconds:.2f}s" if r.ok
                                        else f"error {r.error}"))
-    for m in measurements:
-        print(f"run {m.run_id}   " + (f"{m.median_us:.1f} us +- {m.spread_us:.1f}" if m.ok
-                                      else f"failed: {m.reason}"))
+    for e in elites:
+        print(f"elite     rank {e.rank} on {e.arch} for {e.workload_key} ({e.median_us:.1f} us)")
+    # A run measures a candidate in its search and again in the final re-time: one line
+    # each, under the run, so the two are never mistaken for a repeat.
+    for run_id, run in runs.items():
+        where = "" if run is None else f": {run.workload_key} on {run.arch}" + (
+            f", replay of {Path(run.versions['replay']).name}"
+            if (run.versions or {}).get("replay") else f", {run.device}" if run.device else "")
+        print(f"run {run_id}{where}")
+        for m in measurements:
+            if m.run_id == run_id:
+                print(f"  {_phase(m)}: {_timing(m)}")
     return 0
 
 
+def _source(cand) -> str:  # type: ignore[no-untyped-def]
+    """The candidate's CUDA source: as stored, else rendered again where that gives exactly
+    this candidate (a replay stores no source: its templates may have moved on since)."""
+    if cand.source:
+        return str(cand.source)
+    from evoengine.render import make_candidate, render, template_hash
+    from evoengine.space import SearchSpace
+
+    why = f"no source stored for {cand.identity} (replayed runs keep none)"
+    try:
+        now = template_hash(cand.family)
+        if now != cand.template_hash:
+            raise ValueError(f"its template has changed since (hash {cand.template_hash}, "
+                             f"now {now})")
+        space = SearchSpace.load(paths.SPACES / f"{cand.family}.toml")
+        arch = get_arch(next(iter(cand.compile_reports), space.archs[0]))
+        rendered = make_candidate(space, cand.params, cand.problem, arch)
+        if rendered.identity != cand.identity:
+            raise ValueError(f"the space now makes it {rendered.identity}")
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"{why}, and the current templates cannot render it: "
+                         f"{e.args[0] if e.args else e}") from None
+    print(f"evoengine: {why}; rendered from the current templates (same hash)",
+          file=sys.stderr)
+    return render(rendered)
+
+
 def cmd_record(args: argparse.Namespace) -> int:
-    from evoengine import paths
     from evoengine.search.replay import record_from_store, save_record
 
     arch = get_arch(args.arch)
@@ -153,12 +239,12 @@ def cmd_search(args: argparse.Namespace) -> int:
         elite_table,
         search,
     )
+    from evoengine.store import resolve_url
 
-    if args.trials is not None and args.trials < 1:
-        raise UsageError(f"--trials must be at least 1, got {args.trials}")
-    if args.heartbeat < 1:
-        raise UsageError(f"--heartbeat must be at least 1 second, got {args.heartbeat}")
-    spaces = _spaces(args.space)  # reject a bad workload or space before looking for a GPU
+    # Everything the user can get wrong is refused before looking for a GPU: the spaces,
+    # the workload, whether any family can serve it, the store's name.
+    spaces = _spaces(args.space)
+    store = resolve_url(args.store or (paths.REPLAY_STORE if args.replay else None))
     run_kw: dict = {}
     if args.replay:
         workload, arch, run_kw = _replay(args, spaces)
@@ -167,9 +253,9 @@ def cmd_search(args: argparse.Namespace) -> int:
             raise UsageError("search needs --shape B,H,S,D (or --replay FILE)")
         workload = _workload(args)
         arch = get_arch(args.arch) if args.arch else None
+        _refuse_unserved(spaces, workload, arch)
         _cuda_or_fail("search")
     trials = args.trials if args.trials is not None or args.timeout is not None else 100
-    store = args.store or (REPLAY_STORE if args.replay else None)
     config = SearchConfig(workload=workload, spaces=spaces, arch=arch, store=store,
                           study=args.study, strategy=args.sampler, trials=trials,
                           timeout_s=args.timeout, seed=args.seed, compile_workers=args.workers,
@@ -208,6 +294,35 @@ def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     return Workload.parse(args.shape, kv_heads=args.kv_heads, seq_k=args.seq_k,
                           causal=args.causal, dtype=args.dtype)
+
+
+def _refuse_unserved(spaces: list, workload: Workload, arch: Arch | None) -> None:
+    """Refuse a workload whose problem (head dim, dtype, causal) every space rules out on
+    every target it could run on (``arch``, else each target the space supports).
+
+    Only the constraints that read nothing but problem and target names are evaluated (the
+    head dim's ``HEAD_DIM % 16 == 0``, say): that takes microseconds, where asking for an
+    admitted point would scan whole grids. A problem these let through but no point fits is
+    still refused, by the search, once it knows the GPU.
+    """
+    if arch is not None and not any(s.supports(arch) for s in spaces):
+        raise UsageError(f"no search space targets {arch.name}")
+    problem = workload.problem()
+    why: dict[str, str] = {}
+    for space in spaces:
+        for name in (arch.name,) if arch else space.archs:
+            if not space.supports(get_arch(name)):
+                continue
+            env = {**get_arch(name).as_names(), **problem}
+            broken = [f"{c.why} ({c.rule.text})" for c in space.constraints
+                      if c.rule.names <= env.keys() and not c.rule(env)]
+            if not broken:
+                return
+            why.setdefault(space.family, broken[0])
+    if why:
+        raise UsageError(f"no search space admits {workload.key()}"
+                         + (f" on {arch.name}" if arch else "") + ": "
+                         + "; ".join(f"{family}: {text}" for family, text in why.items()))
 
 
 def _replay(args: argparse.Namespace, spaces: list):  # type: ignore[no-untyped-def]
@@ -249,7 +364,7 @@ def _cuda_or_fail(command: str) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from evoengine.export import DEFAULT_STORE, export_best
+    from evoengine.export import export_best
     from evoengine.runtime import NoGPUError, gpu_arch
 
     if args.arch is not None:
@@ -260,22 +375,44 @@ def cmd_export(args: argparse.Namespace) -> int:
         except NoGPUError as e:
             raise UsageError(f"export needs a CUDA GPU to pick the target ({e}); name one "
                              "with --arch, e.g. --arch sm_90a: cubins compile offline") from None
-    done = export_best(args.store or DEFAULT_STORE, arch, study=args.study, output=args.output)
+    _open_store(args.store).close()  # a missing store is named with a hint, as for `list`
+    done = export_best(args.store, arch, study=args.study, output=args.output)
     print(done.summary())
     return 0
 
 
 # ---- parser -------------------------------------------------------------------------------
+# Every number an option takes goes through one of these: a count, size or duration of zero
+# or less is refused when parsed (`--limit -3` once meant "all but the last 3").
 
-def _duration(text: str) -> float:
+def _checked(parse: Callable[[str], T], ok: Callable[[T], bool],
+             what: str) -> Callable[[str], T]:
+    """An argparse type: ``parse`` the text, then refuse a value ``ok`` rejects."""
+
+    def check(text: str) -> T:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (math.isfinite(value) and ok(value)):  # type: ignore[arg-type]
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return check
+
+
+def _seconds(text: str) -> float:
     """Seconds from '90', '90s', '10m' or '2h'."""
     units = {"s": 1, "m": 60, "h": 3600}
-    try:
-        if text and text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 90s, 10m, 2h)") from None
+    if text and text[-1] in units:
+        return float(text[:-1]) * units[text[-1]]
+    return float(text)
+
+
+positive_int = _checked(int, lambda n: n >= 1, "a positive integer")
+non_negative_int = _checked(int, lambda n: n >= 0, "an integer >= 0")
+positive_duration = _checked(_seconds, lambda t: t > 0, "a duration > 0 (90s, 10m, 2h)")
+non_negative_duration = _checked(_seconds, lambda t: t >= 0, "a duration >= 0 (0.5s, 90s)")
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -290,8 +427,22 @@ def _gpu_list(text: str) -> list[int]:
     return devices
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its mistakes in one line like every other mistake (``evoengine: ...``,
+    exit 2) instead of the usage block first; ``--help`` still prints the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"evoengine: {message} (see {self.prog} --help)\n")
+
+
+def _store_option(parser: argparse.ArgumentParser, default: str, reads: bool) -> None:
+    parser.add_argument("--store", metavar="STORE",
+                        help=f"a SQLite file's path or a SQLAlchemy URL (default {default}"
+                        + ("; must exist)" if reads else ")"))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="evoengine",
         description="Search for the fastest correct attention kernel for a GPU and workload.",
     )
@@ -307,10 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", required=True, help=f"target ({archs})")
     c.add_argument("--space", action="append", metavar="FILE",
                    help="search-space file (repeatable; default: all of search_spaces/)")
-    c.add_argument("--limit", type=int, default=None, metavar="N",
+    c.add_argument("--limit", type=positive_int, default=None, metavar="N",
                    help="compile N candidates spread over families and problems (default all)")
-    c.add_argument("--seed", type=int, default=0, help="which spread of candidates (default 0)")
-    c.add_argument("--workers", type=int, default=None, help="compiler processes (default: cores)")
+    c.add_argument("--seed", type=non_negative_int, default=0,
+                   help="which spread of candidates (default 0)")
+    c.add_argument("--workers", type=positive_int, default=None,
+                   help="compiler processes (default: cores)")
     c.add_argument("--json", action="store_true", help="print one JSON document")
     c.set_defaults(func=cmd_compile_check)
 
@@ -321,37 +474,38 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--arch", help="target (default: the GPU present)")
     s.add_argument("--shape", metavar="B,H,S,D",
                    help="batch, query heads, query length, head dim (required unless --replay)")
-    s.add_argument("--kv-heads", type=int, help="key/value heads (default: H)")
-    s.add_argument("--seq-k", type=int, help="key length (default: S)")
+    s.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: H)")
+    s.add_argument("--seq-k", type=positive_int, help="key length (default: S)")
     s.add_argument("--causal", action="store_true", help="causal mask, aligned bottom-right")
     s.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     budget = s.add_mutually_exclusive_group()
-    budget.add_argument("--trials", type=int, help="trials to run now (default 100)")
-    budget.add_argument("--timeout", type=_duration, help="wall-clock budget (90s, 10m, 2h)")
+    budget.add_argument("--trials", type=positive_int, help="trials to run now (default 100)")
+    budget.add_argument("--timeout", type=positive_duration,
+                        help="wall-clock budget (90s, 10m, 2h)")
     s.add_argument("--space", action="append", metavar="FILE", help="search-space file(s)")
-    s.add_argument("--store", metavar="URL", help="SQLAlchemy URL (default sqlite:///runs/evoengine.db)")
+    _store_option(s, f"{paths.DEFAULT_STORE}; with --replay {paths.REPLAY_STORE}", reads=False)
     s.add_argument("--study", help="study name (default: derived from arch and workload)")
     s.add_argument("--sampler", choices=["evo", "nsga2", "tpe", "random"], default="evo",
                    help="strategy: evo (genetic, default), nsga2, tpe or random")
-    s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--workers", type=int, default=None,
+    s.add_argument("--seed", type=non_negative_int, default=None)
+    s.add_argument("--workers", type=positive_int, default=None,
                    help="compiler processes (default: cores - 1)")
-    s.add_argument("--eval-timeout", type=_duration, default=30.0, metavar="SECONDS",
+    s.add_argument("--eval-timeout", type=positive_duration, default=30.0, metavar="SECONDS",
                    help="a candidate with no answer after this long is a hang (default 30s)")
     where = s.add_mutually_exclusive_group()
-    where.add_argument("--device", type=int, default=None,
+    where.add_argument("--device", type=non_negative_int, default=None,
                        help="CUDA device index (default 0)")
     where.add_argument("--gpus", type=_gpu_list, metavar="I,J,...",
                        help="one evaluator per listed GPU, fed by one compile pool and one "
                        "sampler (e.g. --gpus 0,1); not with --device")
-    s.add_argument("--heartbeat", type=int, default=60, metavar="SECONDS",
+    s.add_argument("--heartbeat", type=positive_int, default=60, metavar="SECONDS",
                    help="heartbeat of running trials; a worker silent for 3x this (killed, "
                    "host lost) has its trials failed and their points retried (default 60)")
     s.add_argument("--json", metavar="FILE", help="write the results JSON (device, rows...)")
     s.add_argument("--replay", metavar="FILE",
                    help="no GPU: answer from a recorded sweep (evoengine record); the "
-                   f"workload and arch are the record's; --store defaults to {REPLAY_STORE}")
-    s.add_argument("--replay-delay", type=_duration, default=0.0, metavar="SECONDS",
+                   "workload and arch are the record's")
+    s.add_argument("--replay-delay", type=non_negative_duration, default=0.0, metavar="SECONDS",
                    help="with --replay, sleep this long per evaluation (default 0)")
     s.set_defaults(func=cmd_search)
 
@@ -360,14 +514,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "target as a replay record (gzip'd JSON, format in "
                        "evoengine/search/replay.py): every point once, failures with their "
                        "reason, with the device, driver, date and commit of the runs.")
-    r.add_argument("--store", metavar="URL", help="SQLAlchemy URL (default runs/evoengine.db)")
+    _store_option(r, paths.DEFAULT_STORE, reads=True)
     r.add_argument("--arch", default="sm_90a", help="target (default sm_90a)")
     r.add_argument("--shape", required=True, metavar="B,H,S,D")
-    r.add_argument("--kv-heads", type=int, help="key/value heads (default: H)")
-    r.add_argument("--seq-k", type=int, help="key length (default: S)")
+    r.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: H)")
+    r.add_argument("--seq-k", type=positive_int, help="key length (default: S)")
     r.add_argument("--causal", action="store_true")
     r.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
-    r.add_argument("--run", type=int, action="append", metavar="ID",
+    r.add_argument("--run", type=positive_int, action="append", metavar="ID",
                    help="only these runs (repeatable; default: every run of the workload)")
     r.add_argument("--note", default="", help="how the sweep was run, kept in the record")
     r.add_argument("-o", "--output", metavar="FILE",
@@ -379,8 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "holding the elites' sources, cubins and a dispatch table.")
     e.add_argument("which", choices=["best"], help="what to export")
     e.add_argument("--arch", help=f"target ({archs}; default: the GPU present)")
-    e.add_argument("--store", metavar="URL",
-                   help="SQLAlchemy URL or SQLite file (default runs/evoengine.db)")
+    _store_option(e, paths.DEFAULT_STORE, reads=True)
     e.add_argument("--study", help="only elites found by runs of this study")
     e.add_argument("-o", "--output", default="tuned_attention.py",
                    help="the module to write (default tuned_attention.py)")
@@ -388,16 +541,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="list runs, candidates or elites in the store")
     ls.add_argument("what", nargs="?", choices=["runs", "candidates", "elites"], default="runs")
-    ls.add_argument("--store", metavar="URL")
-    ls.add_argument("--family")
-    ls.add_argument("--arch")
-    ls.add_argument("--limit", type=int, default=50)
-    ls.add_argument("--json", action="store_true")
+    _store_option(ls, paths.DEFAULT_STORE, reads=True)
+    ls.add_argument("--family", help="candidates of this family only")
+    ls.add_argument("--arch", help="elites on this target only")
+    ls.add_argument("--limit", type=positive_int, default=50, metavar="N",
+                    help="at most N rows (default 50)")
+    ls.add_argument("--json", action="store_true", help="print one JSON document")
     ls.set_defaults(func=cmd_list)
 
     sh = sub.add_parser("show", help="show one candidate: parameters, compile reports, timings")
     sh.add_argument("identity")
-    sh.add_argument("--store", metavar="URL")
+    _store_option(sh, paths.DEFAULT_STORE, reads=True)
     sh.add_argument("--source", action="store_true", help="print the rendered CUDA source")
     sh.set_defaults(func=cmd_show)
     return p

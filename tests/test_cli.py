@@ -170,3 +170,205 @@ def test_list_and_show_read_the_store(tmp_path: Path) -> None:
 def test_list_without_a_store_says_so(tmp_path: Path) -> None:
     done = run("list", cwd=tmp_path, env={"PYTHONPATH": str(ROOT)})
     assert done.returncode == 2 and "no store" in done.stderr
+
+
+# ---- one way to name a store; readers never create one (issue #15 items 2 and 3) -----------
+
+RECORD = ROOT / "tests" / "data" / "sweep-sm_90a-b8-h16-kv16-sq4096-sk4096-d128-causal-fp16.json.gz"
+
+
+def in_scratch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The command run from a scratch folder, with this checkout's evoengine."""
+    return run(*args, cwd=cwd, env={"PYTHONPATH": str(ROOT),
+                                    "EVOENGINE_CACHE": str(cwd / "cache")})
+
+
+def one_line(done: subprocess.CompletedProcess, *parts: str) -> None:
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "usage:" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("evoengine: "), done.stderr
+    for part in parts:
+        assert part in lines[0], lines[0]
+
+
+def test_every_command_takes_a_path_or_a_url(tmp_path: Path) -> None:
+    done = in_scratch("search", "--replay", str(RECORD), "--trials", "3", "--store", "my.db",
+                      cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "my.db").is_file()
+    for name in ("my.db", str(tmp_path / "my.db"), f"sqlite:///{tmp_path / 'my.db'}"):
+        listed = in_scratch("list", "elites", "--store", name, "--json", cwd=tmp_path)
+        assert listed.returncode == 0, listed.stderr
+        identity = json.loads(listed.stdout)[0]["identity"]
+        shown = in_scratch("show", identity, "--store", name, cwd=tmp_path)
+        assert shown.returncode == 0 and shown.stdout.startswith(f"identity  {identity}")
+
+
+def test_list_without_a_store_points_at_the_replay_store(tmp_path: Path) -> None:
+    (tmp_path / "runs").mkdir()
+    with Store(f"sqlite:///{tmp_path / 'runs' / 'replay.db'}"):
+        pass
+    one_line(in_scratch("list", cwd=tmp_path), "no store at", "runs/evoengine.db",
+             "--store runs/replay.db")
+
+
+@pytest.mark.parametrize("command", [
+    ("list",), ("list", "elites"), ("show", "mma-x"), ("export", "best", "--arch", "sm_90a"),
+    ("record", "--shape", "1,8,512,64"),
+])
+@pytest.mark.parametrize("store", ["sqlite:///runs/typo/evo.db", "runs/typo/evo.db"])
+def test_reading_commands_refuse_a_missing_store(tmp_path: Path, command: tuple[str, ...],
+                                                 store: str) -> None:
+    done = in_scratch(*command, "--store", store, cwd=tmp_path)
+    one_line(done, f"no store at {tmp_path / 'runs' / 'typo' / 'evo.db'}")
+    assert not (tmp_path / "runs").exists()  # neither the file nor its folders
+
+
+# ---- option values and argparse's own errors (items 4 and 5) --------------------------------
+
+def test_every_option_that_takes_a_number_checks_it() -> None:
+    from evoengine import cli
+
+    checked = {cli.positive_int, cli.non_negative_int, cli.positive_duration,
+               cli.non_negative_duration, cli._gpu_list}
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in commands.items():
+        for action in sub._actions:
+            assert action.type is None or action.type in checked, (name, action.dest)
+
+
+@pytest.mark.parametrize("args", [
+    ("compile-check", "--arch", "sm_89", "--limit", "-3"),
+    ("compile-check", "--arch", "sm_89", "--limit", "0"),
+    ("compile-check", "--arch", "sm_89", "--workers", "0"),
+    ("compile-check", "--arch", "sm_89", "--seed", "-1"),
+    ("search", "--trials", "0"),
+    ("search", "--timeout", "0"),
+    ("search", "--timeout", "-5m"),
+    ("search", "--timeout", "inf"),
+    ("search", "--eval-timeout", "0s"),
+    ("search", "--replay-delay", "-1"),
+    ("search", "--heartbeat", "0"),
+    ("search", "--workers", "-2"),
+    ("search", "--kv-heads", "0"),
+    ("search", "--seq-k", "-4"),
+    ("search", "--device", "-1"),
+    ("search", "--seed", "-1"),
+    ("record", "--shape", "1,8,512,64", "--run", "0"),
+    ("list", "--limit", "0"),
+    ("list", "--limit", "-1"),
+])
+def test_zero_and_negative_counts_and_durations_are_refused(
+        args: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    from evoengine.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(list(args))
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"evoengine: argument {args[-2]}: expected ")
+
+
+def test_compile_check_limit_zero_compiles_nothing(tmp_path: Path) -> None:
+    one_line(run("compile-check", "--arch", "sm_89", "--limit", "0",
+                 env={"EVOENGINE_CACHE": str(tmp_path)}), "--limit", "positive integer")
+
+
+@pytest.mark.parametrize("args,message", [
+    (("search", "--trials", "5", "--timeout", "3"), "not allowed with argument --trials"),
+    (("frobnicate",), "invalid choice: 'frobnicate'"),
+    ((), "required: COMMAND"),
+    (("list", "everything"), "invalid choice: 'everything'"),
+    (("compile-check",), "required: --arch"),
+    (("search", "--dtype", "fp8"), "invalid choice: 'fp8'"),
+])
+def test_argparse_errors_are_one_line(args: tuple[str, ...], message: str) -> None:
+    one_line(run(*args), message)
+
+
+# ---- show, list, and refusing what no template serves (item 6) ------------------------------
+
+def _measured_twice(url: str, source: str, params: dict | None = None) -> str:
+    """A candidate measured in a search and again, with the same numbers, in the final
+    re-time, as a replay stores it; returns its identity."""
+    from evoengine.arch import get_arch
+    from evoengine.render import make_candidate
+    from evoengine.space import SearchSpace
+    from evoengine.workload import Workload
+
+    space = SearchSpace.load(ROOT / "search_spaces" / "mma.toml")
+    w = Workload(1, 8, 512, 64, causal=True)
+    params = params or space.admitted(w.problem(), get_arch("sm_90a"))[0]
+    cand = make_candidate(space, params, w.problem(), get_arch("sm_90a"))
+    with Store(url) as store:
+        run_id = store.start_run(arch="sm_90a", workload=w.to_dict(), workload_key=w.key(),
+                                 versions={"replay": "/x/sweep-a.json.gz"})
+        store.add_candidate(identity=cand.identity, family="mma",
+                            template_hash=cand.template_hash, params=cand.params,
+                            problem=cand.problem, source=source)
+        store.set_compile_report(cand.identity, arch="sm_90a", ok=True, registers=96,
+                                 spill_bytes=0, smem_bytes=4096, compile_seconds=0.5)
+        for extra in ({"phase": "search", "trial": 7},
+                      {"phase": "final", "rounds": 5, "sdpa_flash_us": 20.0}):
+            store.add_measurement(run_id, cand.identity, ok=True, median_us=12.3456789,
+                                  spread_us=0.25, extra=extra)
+        store.set_elites(arch="sm_90a", workload_key=w.key(),
+                         entries=[(cand.identity, 12.3456789)], run_id=run_id)
+    return cand.identity
+
+
+def test_show_labels_each_measurement_and_repeats_no_line(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'e.db'}"
+    identity = _measured_twice(url, "// src\n")
+    shown = run("show", identity, "--store", url)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert len(lines) == len(set(lines)), shown.stdout
+    assert "run 1: b1-h8-kv8-sq512-sk512-d64-causal-fp16 on sm_90a, replay of sweep-a.json.gz" \
+        in lines
+    assert "  search   trial 7: 12.3 us +- 0.2" in lines
+    assert ("  re-time  5 rounds, interleaved with SDPA: 12.3 us +- 0.2; SDPA flash 20.0 us"
+            in lines)
+    assert run("show", identity, "--store", url, "--source").stdout == "// src\n"
+
+
+def test_show_source_renders_what_a_replay_did_not_store(tmp_path: Path) -> None:
+    from evoengine.arch import get_arch
+    from evoengine.render import make_candidate, render
+    from evoengine.space import SearchSpace
+
+    url = f"sqlite:///{tmp_path / 'e.db'}"
+    identity = _measured_twice(url, "")
+    done = run("show", identity, "--store", url, "--source")
+    assert done.returncode == 0, done.stderr
+    with Store(url) as store:
+        cand = store.candidate(identity)
+    space = SearchSpace.load(ROOT / "search_spaces" / "mma.toml")
+    assert done.stdout == render(make_candidate(space, cand.params, cand.problem,
+                                                get_arch("sm_90a")))
+    assert "rendered from the current templates" in done.stderr
+    # A point the space cannot build now (a parameter it no longer has) is refused, in a line.
+    with Store(url) as store:
+        store.add_candidate(identity="mma-old", family="mma", template_hash=cand.template_hash,
+                            params={"BLOCK_M": 64}, problem=cand.problem, source="")
+    one_line(run("show", "mma-old", "--store", url, "--source"), "no source stored for mma-old")
+
+
+def test_list_rounds_times_but_json_keeps_them(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'e.db'}"
+    _measured_twice(url, "")
+    listed = run("list", "elites", "--store", url)
+    assert "  median_us=12.3  " in listed.stdout, listed.stdout
+    as_json = json.loads(run("list", "elites", "--store", url, "--json").stdout)
+    assert as_json[0]["median_us"] == 12.3456789
+
+
+@pytest.mark.parametrize("arch", [(), ("--arch", "sm_90a")])
+def test_search_refuses_a_head_dim_no_template_serves_before_asking_for_a_gpu(
+        arch: tuple[str, ...]) -> None:
+    # CUDA_VISIBLE_DEVICES="" hides any GPU: the refusal must come first all the same.
+    done = run("search", "--shape", "2,8,256,72", *arch, env={"CUDA_VISIBLE_DEVICES": ""})
+    one_line(done, "no search space admits b2-h8-kv8-sq256-sk256-d72", "HEAD_DIM % 16 == 0")
+    assert "needs a CUDA GPU" not in done.stderr
