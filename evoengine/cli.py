@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn
 
 from evoengine import __version__, paths
 from evoengine.arch import ARCHS, Arch, get_arch
+from evoengine.argtypes import (
+    gpu_list,
+    non_negative_duration,
+    non_negative_int,
+    positive_duration,
+    positive_int,
+)
 
 if TYPE_CHECKING:
     from evoengine.workload import Workload
-
-T = TypeVar("T", int, float)
-
 
 class UsageError(Exception):
     """A problem with what the user asked for; printed as one line, exit status 2."""
@@ -290,10 +293,9 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from evoengine.workload import Workload
+    from evoengine.problems import problem
 
-    return Workload.parse(args.shape, kv_heads=args.kv_heads, seq_k=args.seq_k,
-                          causal=args.causal, dtype=args.dtype)
+    return problem(args.kind).workload_from_arguments(args)
 
 
 def _refuse_unserved(spaces: list, workload: Workload, arch: Arch | None) -> None:
@@ -382,51 +384,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 # ---- parser -------------------------------------------------------------------------------
-# Every number an option takes goes through one of these: a count, size or duration of zero
-# or less is refused when parsed (`--limit -3` once meant "all but the last 3").
-
-def _checked(parse: Callable[[str], T], ok: Callable[[T], bool],
-             what: str) -> Callable[[str], T]:
-    """An argparse type: ``parse`` the text, then refuse a value ``ok`` rejects."""
-
-    def check(text: str) -> T:
-        try:
-            value = parse(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not (math.isfinite(value) and ok(value)):  # type: ignore[arg-type]
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-
-    return check
-
-
-def _seconds(text: str) -> float:
-    """Seconds from '90', '90s', '10m' or '2h'."""
-    units = {"s": 1, "m": 60, "h": 3600}
-    if text and text[-1] in units:
-        return float(text[:-1]) * units[text[-1]]
-    return float(text)
-
-
-positive_int = _checked(int, lambda n: n >= 1, "a positive integer")
-non_negative_int = _checked(int, lambda n: n >= 0, "an integer >= 0")
-positive_duration = _checked(_seconds, lambda t: t > 0, "a duration > 0 (90s, 10m, 2h)")
-non_negative_duration = _checked(_seconds, lambda t: t >= 0, "a duration >= 0 (0.5s, 90s)")
-
-
-def _gpu_list(text: str) -> list[int]:
-    """Device indices from '0,1,3': distinct, non-negative."""
-    try:
-        devices = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of GPU indices: {text!r} "
-                                         "(try 0,1)") from None
-    if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
-        raise argparse.ArgumentTypeError(f"GPU indices must be distinct and >= 0: {text!r}")
-    return devices
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, with its mistakes in one line like every other mistake (``evoengine: ...``,
     exit 2) instead of the usage block first; ``--help`` still prints the usage."""
@@ -439,6 +396,24 @@ def _store_option(parser: argparse.ArgumentParser, default: str, reads: bool) ->
     parser.add_argument("--store", metavar="STORE",
                         help=f"a SQLite file's path or a SQLAlchemy URL (default {default}"
                         + ("; must exist)" if reads else ")"))
+
+
+def _workload_options(parser: argparse.ArgumentParser, when: str) -> None:
+    """``--kind`` and the flags each problem kind names its workloads by (kinds that share
+    flags share the function that declares them)."""
+    from evoengine.problems import DEFAULT_KIND, PROBLEMS
+
+    parser.add_argument("--kind", choices=list(PROBLEMS), default=DEFAULT_KIND,
+                        help="which attention call: " + "; ".join(
+                            f"{k}: {p.summary}" for k, p in PROBLEMS.items())
+                        + f" (default {DEFAULT_KIND})")
+    group = parser.add_argument_group(f"workload ({when})")
+    declared: set[object] = set()
+    for problem in PROBLEMS.values():
+        declare = type(problem).add_arguments
+        if declare not in declared:
+            declared.add(declare)
+            problem.add_arguments(group)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -472,12 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "SDPA's criterion, time, keep the elites in the store. Running the same "
                        "study again resumes it.")
     s.add_argument("--arch", help="target (default: the GPU present)")
-    s.add_argument("--shape", metavar="B,H,S,D",
-                   help="batch, query heads, query length, head dim (required unless --replay)")
-    s.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: H)")
-    s.add_argument("--seq-k", type=positive_int, help="key length (default: S)")
-    s.add_argument("--causal", action="store_true", help="causal mask, aligned bottom-right")
-    s.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    _workload_options(s, "required unless --replay")
     budget = s.add_mutually_exclusive_group()
     budget.add_argument("--trials", type=positive_int, help="trials to run now (default 100)")
     budget.add_argument("--timeout", type=positive_duration,
@@ -495,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     where = s.add_mutually_exclusive_group()
     where.add_argument("--device", type=non_negative_int, default=None,
                        help="CUDA device index (default 0)")
-    where.add_argument("--gpus", type=_gpu_list, metavar="I,J,...",
+    where.add_argument("--gpus", type=gpu_list, metavar="I,J,...",
                        help="one evaluator per listed GPU, fed by one compile pool and one "
                        "sampler (e.g. --gpus 0,1); not with --device")
     s.add_argument("--heartbeat", type=positive_int, default=60, metavar="SECONDS",
@@ -516,11 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "reason, with the device, driver, date and commit of the runs.")
     _store_option(r, paths.DEFAULT_STORE, reads=True)
     r.add_argument("--arch", default="sm_90a", help="target (default sm_90a)")
-    r.add_argument("--shape", required=True, metavar="B,H,S,D")
-    r.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: H)")
-    r.add_argument("--seq-k", type=positive_int, help="key length (default: S)")
-    r.add_argument("--causal", action="store_true")
-    r.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    _workload_options(r, "required")
     r.add_argument("--run", type=positive_int, action="append", metavar="ID",
                    help="only these runs (repeatable; default: every run of the workload)")
     r.add_argument("--note", default="", help="how the sweep was run, kept in the record")

@@ -228,10 +228,10 @@ def test_reading_commands_refuse_a_missing_store(tmp_path: Path, command: tuple[
 # ---- option values and argparse's own errors (items 4 and 5) --------------------------------
 
 def test_every_option_that_takes_a_number_checks_it() -> None:
-    from evoengine import cli
+    from evoengine import argtypes, cli
 
-    checked = {cli.positive_int, cli.non_negative_int, cli.positive_duration,
-               cli.non_negative_duration, cli._gpu_list}
+    checked = {argtypes.positive_int, argtypes.non_negative_int, argtypes.positive_duration,
+               argtypes.non_negative_duration, argtypes.gpu_list}
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
     for name, sub in commands.items():

@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from evoengine.argtypes import positive_int
 from evoengine.problems.base import Problem, TimedCall
 from evoengine.workload import DTYPES, Workload
 
@@ -35,10 +36,11 @@ class Forward(Problem):
 
     def add_arguments(self, parser: argparse.ArgumentParser | Any) -> None:
         parser.add_argument("--shape", metavar="B,H,S,D",
-                            help="batch, query heads, query length, head dim")
-        parser.add_argument("--kv-heads", type=int, metavar="N", help="key/value heads "
+                            help="batch, query heads, query length, head dim (B,H,S,D)")
+        parser.add_argument("--kv-heads", type=positive_int, metavar="N", help="key/value heads "
                             "(default: H; a divisor of H for GQA/MQA)")
-        parser.add_argument("--seq-k", type=int, metavar="S", help="key length (default: S)")
+        parser.add_argument("--seq-k", type=positive_int, metavar="S",
+                            help="key length (default: S)")
         parser.add_argument("--causal", action="store_true",
                             help="causal mask, aligned bottom-right")
         parser.add_argument("--dtype", choices=DTYPES, default="fp16")
