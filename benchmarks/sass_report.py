@@ -3,7 +3,7 @@
     python benchmarks/sass_report.py --family wgmma --head-dim 128 --causal \
         --params '{"BLOCK_M": 128, "BLOCK_N": 128, ...}'
     python benchmarks/sass_report.py --results benchmarks/results/2026-11-22-h100-wgmma-smoke.json
-    python benchmarks/sass_report.py --points benchmarks/wgmma_causal_points.json --json
+    python benchmarks/sass_report.py --points benchmarks/wgmma_retime_points.json --json
     python benchmarks/sass_report.py --store sqlite:///runs/evoengine.db --elites
     python benchmarks/sass_report.py --family mma --params '{...}' --loop-path
 

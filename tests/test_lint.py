@@ -13,6 +13,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed")
 def test_ruff_clean() -> None:
-    done = subprocess.run(["ruff", "check", "--no-cache", "evoengine", "tests", "benchmarks"],
-                          cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(["ruff", "check", "--no-cache", "evoengine", "tests", "benchmarks",
+                           "experiments"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr

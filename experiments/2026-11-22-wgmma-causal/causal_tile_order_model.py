@@ -1,6 +1,6 @@
 """Model of causal tile schedules for the wgmma grid (docs/NOTES.md, "causal tile order").
 
-    python benchmarks/causal_tile_order_model.py --budget-mb 16
+    python experiments/2026-11-22-wgmma-causal/causal_tile_order_model.py --budget-mb 16
 
 A tile costs its key blocks plus c0 = 1 block of fixed overhead; 132 SMs, one block each.
 "greedy": the non-persistent grid (a free SM takes the next tile in order); "static":

@@ -1,6 +1,7 @@
 """How long must a contender run before its timed calls read the GPU's sustained speed?
 
-    python benchmarks/settle.py --json out.json [--clock-log clocks.csv]
+    python experiments/2026-11-22-settling-the-clocks/settle.py --json out.json \
+        [--clock-log clocks.csv]
 
 For each (workload, contender) pair -- a wgmma point and SDPA's cuDNN backend -- and each
 settling time, the GPU first idles for ``--gap`` seconds (as between two candidates of a
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from evoengine import measure  # noqa: E402
 from evoengine.workload import Workload  # noqa: E402

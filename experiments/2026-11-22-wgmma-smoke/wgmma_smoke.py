@@ -1,7 +1,8 @@
 """Smoke test of the wgmma family on a Hopper GPU: correctness, then timings against SDPA.
 
-    python benchmarks/wgmma_smoke.py                 # the default points, about 3 minutes
-    python benchmarks/wgmma_smoke.py --points '[{"BLOCK_M": 128, ...}]' --json out.json
+    python experiments/2026-11-22-wgmma-smoke/wgmma_smoke.py      # the default points, ~3 minutes
+    python experiments/2026-11-22-wgmma-smoke/wgmma_smoke.py --points '[{"BLOCK_M": 128, ...}]' \
+        --json out.json
 
 The parent process never touches the GPU: it compiles every candidate offline (NVRTC, in
 parallel, into the shared cache), then runs each parameter point in a child process with a
@@ -26,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from evoengine import paths  # noqa: E402

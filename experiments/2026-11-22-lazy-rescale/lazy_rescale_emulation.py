@@ -1,12 +1,14 @@
 """CPU emulation of the mma kernel's online softmax: eager vs lazy rescaling, P in fp16.
 
-    python benchmarks/lazy_rescale_emulation.py --seq 512 2048 --seeds 8 [--threshold 8]
+    python experiments/2026-11-22-lazy-rescale/lazy_rescale_emulation.py --seq 512 2048 \
+        --seeds 8 [--threshold 8]
 
 Emulates one key block at a time in float32, as templates/mma does: scores in fp32, P =
 exp2(s * scale_log2 - m) in fp32, P rounded to fp16 for P.V (fp32 accumulation), O and the
 row sum l rescaled by exp2(m_old - m_new) when the max moves, O / l rounded to fp16 at the
-end. Lazy keeps m until some row of a 16-row warp grows by more than 2^threshold (the kernel's
-RESCALE_LOG2: 4, was 8; the share of key blocks after the first that rescale is printed). The row
+end. Lazy keeps m until some row of a 16-row warp grows by more than 2^threshold (default: the
+kernel's RESCALE_LOG2, read from templates/mma/kernel.cu.j2: 8 before 3292350, 4 before
+7799a10, 2 since; the share of key blocks after the first that rescale is printed). The row
 sum comes either from the fp32 P (the kernel before the fix, and FlashAttention-2) or from the
 fp16 P that P.V consumes. "eager" stands in for torch SDPA (FlashAttention-2); each variant's
 max abs error against a float64 reference is reported as a ratio to it, with the number of
@@ -17,14 +19,25 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
+from pathlib import Path
 
 import torch
 
 WARP_ROWS = 16
+KERNEL = Path(__file__).resolve().parents[2] / "templates" / "mma" / "kernel.cu.j2"
+
+
+def kernel_threshold() -> float:
+    """The mma kernel's RESCALE_LOG2, read from its template so the default follows it."""
+    found = re.search(r"constexpr float RESCALE_LOG2 = ([\d.]+)f;", KERNEL.read_text())
+    if found is None:
+        raise SystemExit(f"no RESCALE_LOG2 in {KERNEL}")
+    return float(found.group(1))
 
 
 def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int, lazy: bool,
-            sum_rounded: bool, threshold: float = 4.0,
+            sum_rounded: bool, threshold: float,
             dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, float]:
     """Attention of q [H, M, D] over k, v [H, N, D], one key block at a time, and the share of
     (warp, key block) pairs after the first block that rescaled."""
@@ -71,7 +84,8 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--threshold", type=float, default=4.0, help="lazy rescale, log2 units")
+    ap.add_argument("--threshold", type=float, default=kernel_threshold(),
+                    help="lazy rescale, log2 units (default: the kernel's RESCALE_LOG2)")
     args = ap.parse_args()
     for seq in args.seq:
         ratios: dict[str, list[float]] = {name: [] for name in VARIANTS}
