@@ -42,6 +42,11 @@ KERNEL_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in KERNEL_DTYPES.items()}
 FALLBACKS = (None, "sdpa")
 MIN_SM = 80  # cp.async and mma.sync m16n8k16
+# NVRTC's options for every kernel, besides the target and the defines: the one list, which
+# evoengine.compile reads from this file (offline builds) and exported modules carry (builds
+# on another GPU). -default-device: NVRTC 13.0 (the GPU box's) treats a lambda in a kernel as
+# a host function unless told that unannotated functions are device code; 13.5 does not care.
+NVRTC_OPTIONS = ("-std=c++17", "-default-device", "--extra-device-vectorization")
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z: heads and batch
 
 # The launch arguments, packed once per call into a buffer the driver reads: 5 pointers,
@@ -415,11 +420,10 @@ class CudaKernel:
     def _compile(self, arch: str, smem_limit: int) -> tuple[Any, Any]:
         import cupy
 
-        # The options evoengine.compile gives NVRTC. The target is named: cupy's own choice
-        # for a 9.0 device is plain sm_90, without wgmma/setmaxnreg.
+        # The target is named: cupy's own choice for a 9.0 device is plain sm_90, without
+        # wgmma/setmaxnreg.
         defines = {**self.defines, "EVO_SMEM_LIMIT": smem_limit}
-        options = ("-std=c++17", "-default-device", "--extra-device-vectorization",
-                   f"-arch={arch}", *(f"-D{k}={v}" for k, v in defines.items()))
+        options = (*NVRTC_OPTIONS, f"-arch={arch}", *(f"-D{k}={v}" for k, v in defines.items()))
         try:
             module = cupy.RawModule(code=self.source, options=options)
             kernel = module.get_function(KERNEL_NAME)  # a RawKernel; .kernel compiles it

@@ -7,6 +7,7 @@ compile error is a result (``ok=False`` with the log), never an exception.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
@@ -22,6 +23,8 @@ from pathlib import Path
 from evoengine import paths
 from evoengine.arch import Arch, get_arch
 from evoengine.render import Candidate, render
+
+LAUNCHER = Path(__file__).with_name("_standalone.py")
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,23 @@ def cuda_include_dirs() -> list[str]:
     return seen[:1]
 
 
+@functools.cache
+def launcher_options() -> tuple[str, ...]:
+    """``NVRTC_OPTIONS`` of ``_standalone.py``, the launcher exported modules carry, so a
+    kernel built there on another GPU gets the flags it was built with here. Read from the
+    file, not imported: the launcher imports torch, which offline compilation (the CLI and
+    every compile worker) does without."""
+    for node in ast.parse(LAUNCHER.read_text()).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == "NVRTC_OPTIONS"):
+            return tuple(ast.literal_eval(node.value))
+    raise RuntimeError(f"{LAUNCHER} defines no NVRTC_OPTIONS")
+
+
 def nvrtc_options(arch: Arch, defines: dict[str, int]) -> list[str]:
-    # -default-device: NVRTC 13.0 (the GPU box's) treats a lambda in a kernel as a host
-    # function unless told that unannotated functions are device code; 13.5 does not care.
-    opts = [f"--gpu-architecture={arch.name}", "-std=c++17", "-default-device", "-Xptxas=-v",
-            "--extra-device-vectorization"]
+    """The launcher's options plus the target, ptxas' resource report, defines and headers."""
+    opts = [f"--gpu-architecture={arch.name}", *launcher_options(), "-Xptxas=-v"]
     opts += [f"-D{k}={v}" for k, v in defines.items()]
     opts += [f"-I{d}" for d in cuda_include_dirs()]
     return opts

@@ -32,14 +32,13 @@ from evoengine._standalone import (
     sha256,
 )
 from evoengine.arch import Arch, get_arch
-from evoengine.compile import compile_many, compile_source, nvrtc_version
+from evoengine.compile import LAUNCHER, compile_many, compile_source, nvrtc_version
 from evoengine.provenance import git_commit
 from evoengine.render import make_candidate, render
 from evoengine.space import SearchSpace
 from evoengine.store import CandidateRecord, EliteRecord, RunRecord, Store
 from evoengine.workload import Workload
 
-LAUNCHER = Path(__file__).with_name("_standalone.py")
 DEFAULT_STORE = paths.DEFAULT_STORE
 
 

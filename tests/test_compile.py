@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from evoengine import paths
+from evoengine import _standalone, paths
 from evoengine.arch import Arch, get_arch
 from evoengine.compile import (
     CompileResult,
@@ -21,6 +23,7 @@ from evoengine.compile import (
     compile_many,
     compile_source,
     cuda_include_dirs,
+    launcher_options,
     nvrtc_options,
     nvrtc_version,
 )
@@ -300,6 +303,24 @@ def test_nvrtc_options() -> None:
     assert "-Xptxas=-v" in opts  # the resource report comes from ptxas' verbose output
     includes = [o for o in opts if o.startswith("-I")]
     assert includes == [f"-I{d}" for d in cuda_include_dirs()]
+
+
+def test_nvrtc_options_are_the_launchers_own() -> None:
+    """Offline builds and an exported module's builds on another GPU get the same flags: the
+    launcher's NVRTC_OPTIONS, read from its source."""
+    assert launcher_options() == _standalone.NVRTC_OPTIONS
+    opts = nvrtc_options(get_arch("sm_90a"), {})
+    assert opts[1:1 + len(_standalone.NVRTC_OPTIONS)] == list(_standalone.NVRTC_OPTIONS)
+
+
+def test_compiling_does_not_import_torch() -> None:
+    """Reading the launcher's options must not import it: it imports torch, which costs
+    every compile worker seconds."""
+    code = ("import sys; from evoengine.arch import get_arch; from evoengine.compile import "
+            "nvrtc_options; nvrtc_options(get_arch('sm_80'), {}); print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=paths.ROOT, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
 
 
 def test_cuda_headers_are_found() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import struct
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,24 @@ def test_a_gpu_that_cannot_run_the_kernel_is_named_or_falls_back(
     out = tuned.forward(cuda_like(x), cuda_like(x), cuda_like(x), fallback="sdpa")
     torch.testing.assert_close(out.as_subclass(torch.Tensor), sdpa_attention(x, x, x,
                                                                              causal=False))
+
+
+def test_a_source_is_built_with_the_launchers_nvrtc_options(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU its cubin does not run on, a kernel is built from its source by cupy's NVRTC
+    with the options evoengine.compile uses offline (``NVRTC_OPTIONS``), the target named."""
+    seen: dict = {}
+
+    class RawModule:
+        def __init__(self, code: str, options: tuple[str, ...]) -> None:
+            seen.update(code=code, options=options)
+
+        def get_function(self, name: str) -> types.SimpleNamespace:
+            return types.SimpleNamespace(kernel=name)
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=RawModule))
+    kernel = CudaKernel("k", head_dim=64, dtype="fp16", causal=False, block_m=64, threads=128,
+                        smem_bytes=0, source="// src", defines={"HEAD_DIM": 64})
+    kernel._compile("sm_90a", 1000)
+    assert seen["options"] == (*sa.NVRTC_OPTIONS, "-arch=sm_90a", "-DHEAD_DIM=64",
+                               "-DEVO_SMEM_LIMIT=1000")
