@@ -11,9 +11,7 @@ table. Rows carry the best candidate per workload; --all-rows keeps every candid
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import random
 import sys
 from pathlib import Path
@@ -24,6 +22,7 @@ import torch  # noqa: E402
 
 from evoengine import measure, paths, validate  # noqa: E402
 from evoengine.compile import compile_many  # noqa: E402
+from evoengine.provenance import header, local_device  # noqa: E402
 from evoengine.render import make_candidate  # noqa: E402
 from evoengine.runtime import Kernel, gpu_arch  # noqa: E402
 from evoengine.space import SearchSpace  # noqa: E402
@@ -105,15 +104,9 @@ def main() -> None:
             print(f"  {t.median_us:9.1f} us  {w.flops() / t.median_us / 1e6:6.1f} TFLOPS  "
                   f"x{(flash.median_us / t.median_us) if flash else float('nan'):.2f} flash  "
                   f"regs {compiled.registers} spill {compiled.spill_bytes}  {cand.params}")
-    props = torch.cuda.get_device_properties(0)
-    doc = {
-        "device": props.name, "driver": _driver(), "torch": torch.__version__,
-        "commit": os.environ.get("EVO_COMMIT", "unknown"),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "method": "CUDA events, 10 warm-up calls, median of 50 (graph replay of 64 calls, for all "
-                  "contenders, when the workload is under 15 GFLOP), inputs rotated over >=256 MB",
-        "rows": rows,
-    }
+    doc = header(**local_device(), method=f"each candidate: the criterion at 1x4x333, then "
+                 f"{measure.METHOD}; SDPA flash and cuDNN timed the same way in the same process",
+                 rows=rows)
     print(f"\n{'workload':42} {'ours us':>9} {'flash us':>9} {'cudnn us':>9} {'TFLOPS':>7} "
           f"{'vs flash':>8} {'vs cudnn':>8}")
     for r in rows:
@@ -123,16 +116,6 @@ def main() -> None:
               f"{(fl or 0) / r['ours_us']:8.2f} {(cu or 0) / r['ours_us']:8.2f}")
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
-
-
-def _driver() -> str:
-    try:
-        import subprocess
-
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 if __name__ == "__main__":

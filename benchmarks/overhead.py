@@ -22,11 +22,9 @@ contiguous.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -121,12 +119,6 @@ def iqr(samples: list[float]) -> float:
     return q[2] - q[0]
 
 
-def git_commit() -> str | None:
-    done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=ROOT,
-                          capture_output=True, text=True)
-    return done.stdout.strip() or None
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = p.add_mutually_exclusive_group()
@@ -191,17 +183,15 @@ def main() -> None:
         print(f"{r['name']:32s} {r['host_us']:14.2f} {r['host_iqr_us']:6.2f} "
               f"{r['wall_us']:13.2f}{flag}")
     if args.json:
-        doc = {
-            "benchmark": "eager per-call host overhead",
-            "method": __doc__.split("Method. ")[1].strip(),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "commit": git_commit(),
-            "shape": args.shape,
-            "causal": causal, "calls_per_loop": args.n, "reps": args.reps,
-            "kernel": kernel.name, "module": args.module or f"evoengine.load({args.store!r})",
-            "provenance": getattr(attention, "provenance", {}), "results": results,
-        }
+        sys.path.insert(0, str(ROOT))
+        from evoengine.provenance import header, local_device
+
+        doc = header(
+            **local_device(), method=__doc__.split("Method. ")[1].strip(),
+            benchmark="eager per-call host overhead", cuda=torch.version.cuda,
+            shape=args.shape, causal=causal, calls_per_loop=args.n, reps=args.reps,
+            kernel=kernel.name, module=args.module or f"evoengine.load({args.store!r})",
+            provenance=getattr(attention, "provenance", {}), results=results)
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.json}")
 

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evoengine import paths  # noqa: E402
 from evoengine.arch import get_arch  # noqa: E402
-from evoengine.compile import compile_many, cuobjdump_path  # noqa: E402
+from evoengine.compile import compile_many, cuobjdump_path, nvrtc_version  # noqa: E402
+from evoengine.provenance import header  # noqa: E402
 from evoengine.render import Candidate, make_candidate  # noqa: E402
 from evoengine.space import SearchSpace  # noqa: E402
 
@@ -275,7 +276,7 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true", help="only causal (default: both)")
     ap.add_argument("--full", action="store_true", help="only non-causal (default: both)")
     ap.add_argument("--results", type=Path, action="append", default=[],
-                    help="results JSON (compare.py or wgmma_smoke.py rows)")
+                    help="results JSON (rows of compare.py, retime.py or wgmma_smoke.py)")
     ap.add_argument("--points", type=Path, action="append", default=[],
                     help="compare.py --points file")
     ap.add_argument("--store", help="store URL, with --identity and/or --elites")
@@ -307,7 +308,11 @@ def main() -> None:
         ap.error("no points: give --params, --results, --points or --store")
     rows = report(points, args.arch, args.loop_path, args.workers)
     if args.json:
-        json.dump({"arch": args.arch, "rows": rows}, sys.stdout, indent=1)
+        method = (f"compiled offline with {nvrtc_version()} for {args.arch} (no GPU), "
+                  "disassembled with cuobjdump; static instruction counts per kernel and per "
+                  "loop that holds a tensor-core instruction")
+        json.dump(header(device=None, driver=None, torch=None, method=method, arch=args.arch,
+                         rows=rows), sys.stdout, indent=1)
         print()
     else:
         print_table(rows)

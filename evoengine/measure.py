@@ -33,9 +33,17 @@ GRAPH_BELOW_FLOPS = 15e9
 SETTLE_S = 0.1
 WARMUP_CALLS = 10
 REPS = 50
-# How every timing is taken, for the method field of result files.
+GRAPH_CALLS = 64  # calls captured in one graph; a replay's time is divided by this
+
+# The method field of result files, in words made from the constants above, so it changes
+# with them: how every timing is taken; which calls graph replay times when the workload
+# decides (``graph_for``, as the search does); how the inputs stay out of L2; all three.
 TIMING = (f"CUDA events, {WARMUP_CALLS} warm-up calls and {SETTLE_S:g} s of calls untimed, "
           f"median of {REPS}")
+GRAPH_RULE = (f"graph replay of {GRAPH_CALLS} calls, for every contender, when the workload is "
+              f"under {GRAPH_BELOW_FLOPS / 1e9:g} GFLOP")
+INPUTS = f"inputs rotated over >={L2_FLUSH_BYTES >> 20} MB"
+METHOD = f"{TIMING} ({GRAPH_RULE}), {INPUTS}"
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,8 @@ def _time_eager(fn: Callable[[int], None], n_sets: int, reps: int) -> Timing:
     return _summary([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)], False)
 
 
-def _time_graph(fn: Callable[[int], None], n_sets: int, reps: int, per_graph: int = 64) -> Timing:
+def _time_graph(fn: Callable[[int], None], n_sets: int, reps: int,
+                per_graph: int = GRAPH_CALLS) -> Timing:
     """Capture ``per_graph`` calls cycling over the sets; time each replay."""
     import torch
 

@@ -14,10 +14,8 @@ that settling. The sustained reference is the median of five timings taken after
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -28,6 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from evoengine import measure  # noqa: E402
+from evoengine.provenance import header, local_device  # noqa: E402
 from evoengine.workload import Workload  # noqa: E402
 
 POINTS = {  # the re-time winners of 2026-11-22 (benchmarks/results/*-h100-wgmma-retime.json)
@@ -105,13 +104,15 @@ def main() -> None:
         if logger:
             logger.terminate()
     if args.json:
-        args.json.write_text(json.dumps({
-            "device": torch.cuda.get_device_name(), "commit": os.environ.get("EVO_COMMIT"),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "gap_s": args.gap, "sustain_s": args.sustain, "repeats": args.repeats,
-            "method": "idle gap, then measure.time_calls (10 warm-up calls and the settling, "
-                      "median of 50 events, inputs rotated past L2); ratio to the sustained "
-                      "median", "rows": rows}, indent=1))
+        method = (f"an idle gap of {args.gap:g} s, then measure.time_calls with the settling under "
+                  f"test in place of SETTLE_S ({measure.WARMUP_CALLS} warm-up calls and that "
+                  f"many seconds of calls untimed, median of {measure.REPS} CUDA-event timings, "
+                  f"{measure.INPUTS}); the median of {args.repeats} such timings as a ratio to the "
+                  f"sustained time: the median of five timings after {args.sustain:g} s of "
+                  "continuous calls")
+        args.json.write_text(json.dumps(header(
+            **local_device(), method=method, gap_s=args.gap, sustain_s=args.sustain,
+            repeats=args.repeats, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

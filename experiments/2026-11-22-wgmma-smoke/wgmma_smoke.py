@@ -19,7 +19,6 @@ is set.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -30,9 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from evoengine import paths  # noqa: E402
+from evoengine import measure, paths  # noqa: E402
 from evoengine.arch import get_arch  # noqa: E402
 from evoengine.compile import compile_many  # noqa: E402
+from evoengine.provenance import header, local_device  # noqa: E402
 from evoengine.render import make_candidate  # noqa: E402
 from evoengine.space import SearchSpace  # noqa: E402
 from evoengine.workload import Workload  # noqa: E402
@@ -99,8 +99,6 @@ def _inputs(w: Workload, n_sets: int) -> list[tuple]:
 
 
 def _sets_for(w: Workload) -> list[tuple]:
-    from evoengine import measure
-
     per_set = 2 * w.batch * w.head_dim * (2 * w.heads * w.seq_q + 2 * w.kv_heads * w.seq_k)
     return _inputs(w, measure.copies_needed(per_set))
 
@@ -109,7 +107,7 @@ def child_point(point: dict) -> dict:
     """Check one point on every admitted problem, then time it on its fp16 workloads."""
     import torch
 
-    from evoengine import measure, validate
+    from evoengine import validate
     from evoengine.compile import compile_candidate
     from evoengine.runtime import Kernel
 
@@ -149,8 +147,6 @@ def child_point(point: dict) -> dict:
 def child_sdpa(head_dims: list[int]) -> dict:
     import torch
 
-    from evoengine import measure
-
     rows = []
     for w in workloads(head_dims):
         sets = _sets_for(w)
@@ -166,9 +162,8 @@ def child_sdpa(head_dims: list[int]) -> dict:
         rows.append(row)
         del sets
         torch.cuda.empty_cache()
-    props = torch.cuda.get_device_properties(0)
-    return {"rows": rows, "device": props.name, "sms": props.multi_processor_count,
-            "torch": torch.__version__}
+    return {"rows": rows, **local_device(),
+            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
 
 
 def run_child(args: list[str], timeout: float) -> tuple[dict | None, str]:
@@ -199,14 +194,6 @@ def compile_points(points: list[dict]) -> dict[str, dict]:
         reports[c.identity] = {"ok": r.ok, "registers": r.registers,
                                "spill_bytes": r.spill_bytes, "error": r.error}
     return reports
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=ROOT, timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
 
 
 def main() -> None:
@@ -273,15 +260,14 @@ def main() -> None:
                          "sdpa_cudnn_us": cu})
             print(f"{name:28} {i:5d} {t['us']:9.1f} {t['tflops']:7.1f} {fl or 0:9.1f} "
                   f"{cu or 0:9.1f} {(fl or 0) / t['us']:8.2f} {(cu or 0) / t['us']:8.2f}")
-    doc = {
-        "device": (base or {}).get("device"), "sms": (base or {}).get("sms"),
-        "torch": (base or {}).get("torch"), "commit": os.environ.get("EVO_COMMIT", _commit()),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "method": "CUDA events, 10 warm-up calls, median of 50 (graph replay under 50 us), "
-                  "inputs rotated over >=256 MB; correctness by evoengine.validate.check",
-        "compile": reports, "points": results, "sdpa": list(sdpa.values()), "rows": rows,
-        "seconds": round(time.perf_counter() - start, 1),
-    }
+    base = base or {}
+    method = (f"{measure.TIMING} (graph replay of {measure.GRAPH_CALLS} calls where one call "
+              f"takes under {measure.GRAPH_BELOW_US:g} us), {measure.INPUTS}; correctness by "
+              "evoengine.validate.check")
+    doc = header(device=base.get("device"), driver=base.get("driver"), torch=base.get("torch"),
+                 method=method, sms=base.get("sms"), compile=reports, points=results,
+                 sdpa=list(sdpa.values()), rows=rows,
+                 seconds=round(time.perf_counter() - start, 1))
     target = args.json or (Path(os.environ["OUT"]) / "wgmma_smoke.json"
                            if os.environ.get("OUT") else None)
     if target:
