@@ -39,6 +39,80 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
   return r;
 }
 
+// The two 16-bit values of one register as floats (exact), `lo` from the low half.
+template <bool BF16>
+__device__ __forceinline__ void unpack2(u32 v, float& lo, float& hi) {
+  if constexpr (BF16) {
+    lo = __uint_as_float(v << 16);
+    hi = __uint_as_float(v & 0xffff0000u);
+  } else {
+    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+        : "=f"(lo), "=f"(hi)
+        : "r"(v));
+  }
+}
+
+// A 32-bit store to a shared-memory byte address.
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+// *addr += x in global memory, atomically, without reading the old value back.
+__device__ __forceinline__ void red_add(float* addr, float x) {
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(addr), "f"(x) : "memory");
+}
+
+// ---- mma.sync m16n8k16 and its fragments (sm_80+) -------------------------------------------
+
+template <bool BF16>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  if constexpr (BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Per-lane ldmatrix addresses, computed once; fragments are then reached with Tile::step.
+// A (16x16, row-major) at rows [0,16), cols [0,16) of a row-major tile.
+template <class Tile>
+__device__ __forceinline__ int a_lane_offset(int lane) {
+  return Tile::offset(lane & 15, (lane >> 4) * 8);
+}
+// B of two n8 tiles (n 0..15, k 0..15) from K stored [n][k]: b[0..1] for n 0..7, b[2..3] for 8..15.
+// Through ldmatrix.trans the same addresses give the A (16x16, m x k) of a tile stored [k][m].
+template <class Tile>
+__device__ __forceinline__ int kt_lane_offset(int lane) {
+  return Tile::offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
+}
+// B of two n8 tiles (k 0..15, n 0..15) from V stored [k][n], through ldmatrix.trans. Steps
+// from any of these lane addresses need column steps that are multiples of 16 (the lane's own
+// column is 0 or 8; see SmemTile::step).
+template <class Tile>
+__device__ __forceinline__ int v_lane_offset(int lane) {
+  return Tile::offset((lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
+}
+
 // ---- asynchronous global -> shared copies (sm_80+) ----------------------------------------
 
 // Copies 16 bytes, or writes 16 zero bytes when `valid` is false (src is then not read).
@@ -83,7 +157,7 @@ struct SmemTile {
 
   // The byte address of (row + dr, col + dc) from the shared-memory byte address of (row, col),
   // with dr a multiple of 8 and dc a multiple of 16 (so the lane's own chunk bits and the
-  // step's bits never overlap). Once loops are unrolled dr and dc are constants and a step
+  // step's bits never overlap; from a column in chunk 0, any multiple of 8). Once loops are unrolled dr and dc are constants and a step
   // is an xor and an immediate add, so no per-step address is kept in a register. The xor
   // comes first: it touches only the bits below GROUP * 16 bytes and the add only those above
   // (rows are whole swizzle groups), so every step with the same column chunk shares one xor
