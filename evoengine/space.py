@@ -3,6 +3,8 @@
 A space is a TOML file under ``search_spaces/`` (see ``search_spaces/mma.toml``):
 
 - ``family``, ``description``, ``archs``: which template it tunes and for which targets;
+- ``kind``: ``"forward"`` (the default) or ``"backward"``: which pass the family computes.
+  The forward search and ``default_spaces()`` take forward families only;
 - ``[problem]``: the workload dimensions compiled into a kernel (head dim, dtype, causal).
   Results for different values are incomparable; the lists are the defaults that
   ``compile-check`` sweeps;
@@ -32,7 +34,9 @@ from evoengine.expr import Expr, ExprError
 
 _ARCH_NAMES = frozenset(("SM", "SMEM_LIMIT", "MAX_THREADS", "REGS_PER_SM"))
 _FAMILY_NAME = re.compile(r"[a-z][a-z0-9_]*")
-_TOP_KEYS = {"family", "description", "archs", "problem", "parameters", "derived", "constraints"}
+_TOP_KEYS = {"family", "kind", "description", "archs", "problem", "parameters", "derived",
+             "constraints"}
+KINDS = ("forward", "backward")
 
 
 def _in_domain(value: object, domain: tuple[object, ...]) -> bool:
@@ -60,6 +64,7 @@ class SearchSpace:
     derived: dict[str, Expr]
     constraints: tuple[Constraint, ...]
     path: Path | None = field(default=None, compare=False)
+    kind: str = "forward"
 
     @classmethod
     def load(cls, path: str | Path) -> SearchSpace:
@@ -90,6 +95,9 @@ class SearchSpace:
                 or paths.family_dir(family) is None):
             raise fail(f"family {family!r} has no <family>/kernel.cu.j2 under "
                        f"{', '.join(map(str, paths.template_dirs()))}")
+        kind = data.get("kind", "forward")
+        if kind not in KINDS:
+            raise fail(f"kind must be one of {list(KINDS)}, got {kind!r}")
         if not isinstance(data["archs"], list) or not data["archs"]:
             raise fail("archs must be a non-empty list of target names")
         try:
@@ -133,7 +141,7 @@ class SearchSpace:
                 raise fail(f"constraints[{i}].why must be a sentence saying why")
             constraints.append(Constraint(cls._expr(c["rule"], known, fail, c["rule"]), c["why"]))
         return cls(family, str(data.get("description", "")), archs, problem, parameters,
-                   derived, tuple(constraints), path)
+                   derived, tuple(constraints), path, str(kind))
 
     @staticmethod
     def _expr(text: object, known: set[str], fail, what: str) -> Expr:  # type: ignore[no-untyped-def]
@@ -199,9 +207,11 @@ class SearchSpace:
         return n
 
 
-def default_spaces() -> list[SearchSpace]:
-    """Every space shipped under ``search_spaces/``."""
-    return [SearchSpace.load(p) for p in sorted(paths.SPACES.glob("*.toml"))]
+def default_spaces(kind: str | None = "forward") -> list[SearchSpace]:
+    """Every space shipped under ``search_spaces/`` of ``kind`` (all of them for None): the
+    forward search never mixes in a backward family."""
+    spaces = [SearchSpace.load(p) for p in sorted(paths.SPACES.glob("*.toml"))]
+    return [s for s in spaces if kind is None or s.kind == kind]
 
 
 def sample(items: list, n: int | None, seed: int = 0) -> list:

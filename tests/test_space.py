@@ -449,6 +449,8 @@ def test_from_dict_without_path_says_search_space() -> None:
                      id="derived-int"),
         pytest.param('[[constraints]]\nrule = "BYTES <= SMEM_LIMIT"\nwhy = "fits"\n', "",
                      "constraints", id="constraints-int"),
+        pytest.param('family = "mma"', 'family = "mma"\nkind = "sideways"', "kind",
+                     id="kind-unknown"),
         pytest.param('why = "fits"', "why = 3", "why", id="why-not-string"),
         pytest.param('why = "fits"', 'why = "  "', "why", id="why-blank"),
     ],
@@ -473,3 +475,34 @@ def test_derived_may_not_shadow_known_names(tmp_path: Path, name: str) -> None:
                 f'{name} = "10 ** 9"\nBYTES = "BLOCK_M * HEAD_DIM * 2"')
     with pytest.raises(SpaceError, match=name):
         SearchSpace.load(write(tmp_path, text))
+
+
+# ---- backward families -------------------------------------------------------------------
+
+
+def test_backward_spaces_stay_out_of_the_forward_default() -> None:
+    everything = default_spaces(None)
+    backward = [s for s in everything if s.kind == "backward"]
+    assert [s.family for s in backward] == ["mma_bwd"]
+    assert all(s.kind == "forward" for s in default_spaces())
+    assert {s.family for s in default_spaces()} | {"mma_bwd"} == {s.family for s in everything}
+    assert [s.family for s in default_spaces("backward")] == ["mma_bwd"]
+
+
+def test_kind_defaults_to_forward(tmp_path: Path) -> None:
+    assert SearchSpace.load(write(tmp_path, edit("", ""))).kind == "forward"
+    text = edit('family = "mma"', 'family = "mma"\nkind = "backward"')
+    assert SearchSpace.load(write(tmp_path, text)).kind == "backward"
+
+
+def test_mma_bwd_space_declares_the_issue_parameters() -> None:
+    sp = shipped("mma_bwd")
+    assert sp.kind == "backward" and {"sm_80", "sm_86", "sm_89", "sm_90a"} == set(sp.archs)
+    assert list(sp.problem) == ["HEAD_DIM", "DTYPE", "CAUSAL"]
+    assert {"BLOCK_M", "BLOCK_N", "NUM_WARPS", "STAGES", "SWIZZLE"} <= set(sp.parameters)
+    assert sp.parameters["DQ_ACCUM"] == ("atomic", "separate")
+    assert "SMEM_BYTES" in sp.derived and "THREADS" in sp.derived
+    assert all(c.why for c in sp.constraints)
+    for arch in ("sm_80", "sm_89", "sm_90a"):
+        for problem in sp.problems():
+            assert sp.admitted(problem, get_arch(arch)), (arch, problem)
