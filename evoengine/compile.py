@@ -134,14 +134,16 @@ def compile_source(source: str, arch: Arch, defines: dict[str, int], *, identity
         nvrtc.nvrtcGetCUBIN(prog, cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    regs = _REGS.search(log)
-    spill = _SPILL.search(log)
+    # A cubin may hold several kernels (a backward family's three): the report is the
+    # largest register count and stack frame, and the spills of all of them together.
+    regs = [int(m.group(1)) for m in _REGS.finditer(log)]
+    spills = [tuple(map(int, m.groups())) for m in _SPILL.finditer(log)]
     return CompileResult(
         identity, arch.name, True,
-        registers=int(regs.group(1)) if regs else None,
-        stack_bytes=int(spill.group(1)) if spill else None,
-        spill_stores=int(spill.group(2)) if spill else None,
-        spill_loads=int(spill.group(3)) if spill else None,
+        registers=max(regs) if regs else None,
+        stack_bytes=max(s[0] for s in spills) if spills else None,
+        spill_stores=sum(s[1] for s in spills) if spills else None,
+        spill_loads=sum(s[2] for s in spills) if spills else None,
         smem_bytes=smem_bytes, seconds=seconds, log=log, cubin=cubin,
     )
 

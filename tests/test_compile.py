@@ -296,6 +296,25 @@ def test_resource_report_is_parsed_from_the_log() -> None:
     assert (r.stack_bytes, r.spill_stores, r.spill_loads) == tuple(map(int, spill.groups()))
 
 
+def test_resource_report_covers_every_kernel_of_a_cubin() -> None:
+    """A backward cubin holds three kernels: the report is the most registers and stack of
+    any, and the spills of all of them."""
+    target = get_arch("sm_80")
+    c = make_candidate(space("mma_bwd"), dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2,
+                                              SWIZZLE="xor", DQ_ACCUM="atomic",
+                                              KV_IN_REGS=False), HD64, target)
+    r = compile_source(render(c), target, c.defines(target))
+    assert r.ok, r.error
+    regs = [int(n) for n in re.findall(r"Used (\d+) registers", r.log)]
+    spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes "
+                        r"spill loads", r.log)
+    assert len(regs) == len(spills) == 3 and regs[0] != max(regs)  # the first is not the largest
+    assert r.registers == max(regs)
+    assert r.stack_bytes == max(int(s[0]) for s in spills)
+    assert r.spill_stores == sum(int(s[1]) for s in spills)
+    assert r.spill_loads == sum(int(s[2]) for s in spills)
+
+
 def test_nvrtc_options() -> None:
     opts = nvrtc_options(get_arch("sm_90a"), {"EVO_SMEM_LIMIT": 1, "EVO_SMEM_BYTES": 2})
     assert "--gpu-architecture=sm_90a" in opts
