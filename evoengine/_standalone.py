@@ -329,7 +329,7 @@ class CudaKernel:
                  threads: int, smem_bytes: int, arch: str | None = None,
                  cubin: bytes | None = None, source: str | None = None,
                  defines: Mapping[str, int] | None = None,
-                 tma: TmaParams | None = None) -> None:
+                 tma: TmaParams | None = None, entry: str = KERNEL_NAME) -> None:
         if cubin is None and source is None:
             raise ValueError(f"kernel {name} needs a cubin or a source")
         if cubin is not None and arch is None:
@@ -348,6 +348,7 @@ class CudaKernel:
         self.source = source
         self.defines = dict(defines or {})
         self.tma = tma
+        self.entry = entry  # the function of the cubin or source (a backward has several)
         self._maps: dict[tuple, bytes] = {}  # tensor maps by (pointer, shape, strides, rows)
         self._loaded: dict[int, _Loaded] = {}
         self._load_lock = threading.Lock()
@@ -396,7 +397,7 @@ class CudaKernel:
                 try:
                     owner = cupy.cuda.function.Module()
                     owner.load(self.cubin)
-                    fn = owner.get_function(KERNEL_NAME)
+                    fn = owner.get_function(self.entry)
                 except driver.CUDADriverError as e:
                     if self.source is None:
                         raise
@@ -426,7 +427,7 @@ class CudaKernel:
         options = (*NVRTC_OPTIONS, f"-arch={arch}", *(f"-D{k}={v}" for k, v in defines.items()))
         try:
             module = cupy.RawModule(code=self.source, options=options)
-            kernel = module.get_function(KERNEL_NAME)  # a RawKernel; .kernel compiles it
+            kernel = module.get_function(self.entry)  # a RawKernel; .kernel compiles it
             return kernel.kernel, module
         except Exception as e:  # cupy's CompileException carries the log
             raise RuntimeError(f"compiling kernel {self.name} for {arch} failed: {e}") from e

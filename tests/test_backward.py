@@ -1,0 +1,202 @@
+"""Tests of evoengine.backward that need no GPU: the mma_bwd family compiles for every target
+without spills, the launcher's parameter buffers match the kernels' signatures, and the input
+checks name what is wrong in one line.
+
+As in tests/test_runtime.py, CPU tensors wrapped in a subclass that reports ``is_cuda`` reach
+the checks after the device one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from evoengine import backward, paths
+from evoengine.arch import get_arch
+from evoengine.backward import BackwardKernel
+from evoengine.compile import CompileResult, compile_many
+from evoengine.render import make_candidate, render
+from evoengine.space import SearchSpace, spread
+
+F16 = torch.float16
+POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="atomic",
+             KV_IN_REGS=False)
+PROBLEM = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True)
+
+
+def space() -> SearchSpace:
+    return SearchSpace.load(paths.SPACES / "mma_bwd.toml")
+
+
+# ---- the family compiles ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EVOENGINE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
+def test_spread_points_compile_without_spills(arch: str, cache: Path) -> None:
+    target = get_arch(arch)
+    points = spread([space()], target, 7, seed=11)
+    assert len(points) == 7
+    cands = [make_candidate(sp, params, problem, target) for sp, problem, params in points]
+    for c, r in zip(cands, compile_many(cands, target, workers=2), strict=True):
+        assert r.ok, f"{c.identity}: {r.error}"
+        assert r.spill_bytes == 0 and r.stack_bytes == 0, f"{c.identity} spills: {r}"
+        for entry in backward.ENTRIES:
+            assert f"Compiling entry function '{entry}'" in r.log
+
+
+def test_a_rejected_point_says_why() -> None:
+    sp = space()
+    bad = sp.violations({**POINT, "BLOCK_N": 32}, PROBLEM, get_arch("sm_80"))
+    assert any("each warp owns whole m16 tiles of keys" in b for b in bad)
+    big = {**POINT, "BLOCK_M": 128, "BLOCK_N": 128, "NUM_WARPS": 8, "STAGES": 3}
+    assert any("shared memory" in b for b in sp.violations(big, PROBLEM, get_arch("sm_89")))
+
+
+# ---- the launcher matches the kernels ---------------------------------------------------------
+
+_CODES = {"const elem_t*": "Q", "elem_t*": "Q", "const float*": "Q", "float*": "Q", "int": "i",
+          "long long": "q", "float": "f"}
+
+
+def signature(source: str, entry: str) -> str:
+    """The struct codes of a rendered kernel's parameters, in order."""
+    found = re.search(rf"\b{entry}\(([^)]*)\)\s*{{", source)
+    assert found, entry
+    codes = ""
+    for param in found.group(1).split(","):
+        words = param.replace("__restrict__", "").split()
+        ctype = " ".join(words[:-1]).replace(" *", "*")
+        codes += _CODES[ctype]
+    return codes
+
+
+def test_parameter_buffers_match_the_kernel_signatures() -> None:
+    src = render(make_candidate(space(), POINT, PROBLEM, get_arch("sm_80")))
+    packs = (backward._PRE, backward._MAIN, backward._POST)
+    for entry, pack in zip(backward.ENTRIES, packs, strict=True):
+        codes = signature(src, entry)
+        assert len(codes) == len(pack.offsets)
+        assert pack.struct.format.replace("4x", "").lstrip("=") == codes, entry
+        for off, code in zip(pack.offsets, codes, strict=True):  # natural alignment
+            assert off % {"Q": 8, "q": 8, "i": 4, "f": 4}[code] == 0
+
+
+def test_launch_shapes_match_the_template() -> None:
+    src = render(make_candidate(space(), POINT, PROBLEM, get_arch("sm_80")))
+    for name in ("PRE_THREADS", "POST_THREADS"):
+        assert f"constexpr int {name} = {getattr(backward, name)};" in src
+    assert "constexpr int PRE_ROWS = PRE_THREADS / 8;" in src
+    assert backward.PRE_ROWS == backward.PRE_THREADS // 8
+
+
+# ---- input checks ---------------------------------------------------------------------------
+
+
+class FakeCuda(torch.Tensor):
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def t(*shape: int, dtype: torch.dtype = F16) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=dtype).as_subclass(FakeCuda)
+
+
+@pytest.fixture
+def kernel() -> BackwardKernel:
+    """A kernel over a fake cubin: it loads on first launch, which these tests never reach."""
+    cand = make_candidate(space(), POINT, PROBLEM, get_arch("sm_80"))
+    return BackwardKernel(cand, CompileResult(cand.identity, "sm_80", True, cubin=b"\0"))
+
+
+def call_args(**change: object) -> tuple[tuple, dict]:
+    """Good arguments for a GQA call (8 query heads over 2), with ``change`` applied."""
+    args = dict(q=t(2, 8, 33, 64), k=t(2, 2, 17, 64), v=t(2, 2, 17, 64), out=t(2, 8, 33, 64),
+                lse=t(2, 8, 33, dtype=torch.float32), dout=t(2, 8, 33, 64))
+    kw: dict[str, object] = dict(causal=True)
+    for name, value in change.items():
+        (args if name in args else kw)[name] = value
+    return tuple(args.values()), kw
+
+
+BAD_CALLS = [
+    ("cpu q", dict(q=torch.zeros(2, 8, 33, 64, dtype=F16)), r"^q must be a CUDA tensor"),
+    ("causal differs", dict(causal=False),
+     r"^this kernel is compiled for causal=True, got causal=False$"),
+    ("head dim", dict(q=t(2, 8, 33, 128), k=t(2, 2, 17, 128), v=t(2, 2, 17, 128)),
+     r"^this kernel takes head_dim 64"),
+    ("bf16", dict(q=t(2, 8, 33, 64, dtype=torch.bfloat16), k=t(2, 2, 17, 64, dtype=torch.bfloat16),
+                  v=t(2, 2, 17, 64, dtype=torch.bfloat16)), r"^this kernel takes fp16"),
+    ("out shape", dict(out=t(2, 8, 32, 64)), r"^out must match q: \(2, 8, 33, 64\)"),
+    ("dout dtype", dict(dout=t(2, 8, 33, 64, dtype=torch.bfloat16)), r"^dout must match q"),
+    ("dout strided", dict(dout=t(2, 8, 64, 33).mT),
+     r"^dout must have a contiguous last dim and 16-byte aligned rows"),
+    ("lse shape", dict(lse=t(2, 8, 32, dtype=torch.float32)),
+     r"^lse must be a contiguous float32 \[2, 8, 33\]"),
+    ("lse dtype", dict(lse=t(2, 8, 33)), r"^lse must be a contiguous float32"),
+    ("lse strided", dict(lse=t(2, 33, 8, dtype=torch.float32).transpose(1, 2)),
+     r"^lse must be a contiguous float32"),
+    ("dq shape", dict(dq=t(2, 2, 33, 64)), r"^dq must match q"),
+    ("dk like q", dict(dk=t(2, 8, 17, 64)), r"^dk must match k: \(2, 2, 17, 64\)"),
+    ("dv rows unaligned", dict(dv=t(2, 2, 17, 68)[..., :64]),
+     r"^dv must have a contiguous last dim and 16-byte aligned rows"),
+    ("scale", dict(scale=math.inf), r"^scale must be finite"),
+]
+
+
+@pytest.mark.parametrize(("case", "change", "message"), BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_calls_are_one_line_value_errors(kernel: BackwardKernel, case: str, change: dict,
+                                             message: str) -> None:
+    args, kw = call_args(**change)
+    with pytest.raises(ValueError, match=message) as err:
+        kernel(*args, **kw)
+    assert "\n" not in str(err.value)
+
+
+def test_non_tensors_are_a_type_error(kernel: BackwardKernel) -> None:
+    args, kw = call_args(lse=[0.0])
+    with pytest.raises(TypeError, match=r"^lse must be a torch.Tensor, got list$"):
+        kernel(*args, **kw)
+
+
+def test_good_calls_reach_the_launch(kernel: BackwardKernel,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    launched: list[dict] = []
+
+    def launch(*tensors: torch.Tensor, scale: float, deterministic: bool) -> None:
+        launched.append(dict(tensors=tensors, scale=scale, deterministic=deterministic))
+
+    monkeypatch.setattr(kernel, "launch", launch)
+    args, kw = call_args()
+    dq, dk, dv = kernel(*args, **kw)
+    (call,) = launched
+    assert call["scale"] == 1 / 8 and call["deterministic"] is False
+    assert (dq.shape, dk.shape, dv.shape) == (args[0].shape, args[1].shape, args[2].shape)
+    assert all(g.is_contiguous() and g.dtype == F16 for g in (dq, dk, dv))
+    assert call["tensors"][6:] == (dq, dk, dv)
+    given = t(2, 33, 8, 64).transpose(1, 2)  # a strided dq view is written in place
+    args, kw = call_args(dq=given, scale=0.5, deterministic=True)
+    assert kernel(*args, **kw)[0] is given
+    assert launched[1]["scale"] == 0.5 and launched[1]["deterministic"] is True
+
+
+def test_only_backward_families(kernel: BackwardKernel) -> None:
+    fwd = SearchSpace.load(paths.SPACES / "mma.toml")
+    point = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True,
+                 LAZY_RESCALE=False, MIN_BLOCKS=1, PIPELINE="split")
+    cand = make_candidate(fwd, point, PROBLEM, get_arch("sm_80"))
+    with pytest.raises(ValueError, match="is not a backward family"):
+        BackwardKernel(cand, CompileResult(cand.identity, "sm_80", True, cubin=b"\0"))
+    failed = CompileResult(kernel.candidate.identity, "sm_80", False, error="boom")
+    with pytest.raises(ValueError, match="did not compile: boom"):
+        BackwardKernel(kernel.candidate, failed)
