@@ -7,6 +7,12 @@ log-sum-exp (where asked) is within LSE_ATOL + LSE_RTOL |lse|. Rows that see no 
 with more queries than keys) must be exactly zero, with log-sum-exp -inf, as FlashAttention
 defines.
 Causal masking is aligned bottom-right: query i sees keys 0 .. i + (seq_k - seq_q).
+
+The backward criterion (``check_backward``) is the same for gradients: with the forward's
+output and log-sum-exp given (from the float64 reference, so that the backward is judged
+alone) and dQ, dK, dV poisoned, each gradient must be finite and within
+``ERR_FACTOR x (the error of torch SDPA's own backward in the same dtype) + GRAD_FLOOR`` of a
+float64 reference; dQ of rows that see no key must be exactly zero.
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ ERR_FACTOR = 2.0
 ERR_FLOOR = 1e-5
 LSE_ATOL = 1e-3
 LSE_RTOL = 1e-4
+# The backward's absolute floor: gradients of unit-variance inputs are O(0.01-1), and SDPA's
+# own error on them in fp16 is O(1e-4-1e-3), so the floor matters only where SDPA happens to
+# be exact, and a missing or misplaced contribution is still far above it.
+GRAD_FLOOR = 1e-4
+GRAD_NAMES = ("dq", "dk", "dv")
 
 
 @dataclass(frozen=True)
@@ -147,6 +158,124 @@ def check(fn: AttentionFn, *, batch: int, heads: int, kv_heads: int, seq_q: int,
         torch.cuda.synchronize()
     ref, ref_lse = reference(q, k, v, causal=causal, scale=scale)
     verdict = judge(out, ref, sdpa(q, k, v, causal=causal, scale=scale), lse, ref_lse)
+    if not verdict.ok:
+        return Verdict(False, verdict.max_err, verdict.tolerance, f"{verdict.reason} (seed {seed})")
+    return verdict
+
+
+# ---- the backward pass ----------------------------------------------------------------------
+
+Grads = tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]
+
+
+def reference_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+                    causal: bool, scale: float | None = None) -> Grads:
+    """dQ, dK, dV of ``reference`` attention for the output gradient ``dout``, in float64 on
+    the inputs' device (autograd through the reference: dK and dV sum over each key/value
+    head's query heads; rows that see no key have zero gradients)."""
+    import torch
+
+    with torch.enable_grad():
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        out, _ = reference(q64, k64, v64, causal=causal, scale=scale)
+        dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.double())
+    return dq, dk, dv
+
+
+def sdpa_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+               causal: bool, scale: float | None = None) -> Grads:
+    """dQ, dK, dV of torch SDPA's own backward in the inputs' dtype: the baseline error.
+
+    Causal rows that see no key (the first seq_q - seq_k) are left out of SDPA's call, whose
+    fully masked rows would give NaN, and get the zero gradient they have by definition; the
+    rest keep the bottom-right alignment (their count equals seq_k).
+    """
+    import torch
+
+    first = max(0, q.shape[2] - k.shape[2]) if causal else 0
+    with torch.enable_grad():
+        qs = q[:, :, first:].detach().requires_grad_()
+        ks, vs = k.detach().requires_grad_(), v.detach().requires_grad_()
+        out = sdpa(qs, ks, vs, causal=causal, scale=scale)
+        gq, gk, gv = torch.autograd.grad(out, (qs, ks, vs), dout[:, :, first:])
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dq[:, :, first:] = gq
+    return dq, gk, gv
+
+
+def judge_grads(grads: Grads, refs: Grads, baselines: Grads, *,
+                no_key_rows: torch.Tensor | None = None) -> Verdict:
+    """Apply the backward criterion to gradients already computed: each of dq, dk, dv finite
+    and within ERR_FACTOR x its baseline's error + GRAD_FLOOR; dq exactly zero on
+    ``no_key_rows`` (bool [seq_q]). A pass carries the gradient nearest its tolerance."""
+    import torch
+
+    worst = Verdict(True, 0.0, math.inf)
+    for name, g, ref, base in zip(GRAD_NAMES, grads, refs, baselines, strict=True):
+        if g.shape != ref.shape:
+            return Verdict(False, math.inf, 0.0,
+                           f"{name}: shape {tuple(g.shape)} != {tuple(ref.shape)}")
+        tol = ERR_FACTOR * (base.double() - ref).abs().max().item() + GRAD_FLOOR
+        finite = torch.isfinite(g)
+        if not bool(finite.all()):
+            bad = int((~finite).sum())
+            return Verdict(False, math.inf, tol,
+                           f"{name}: {bad} non-finite values (NaN/Inf or unwritten)")
+        err = (g.double() - ref).abs().max().item()
+        if not err <= tol:
+            return Verdict(False, err, tol, f"{name} wrong: max err {err:.3g} > tol {tol:.3g}")
+        if err / tol >= worst.max_err / worst.tolerance:
+            worst = Verdict(True, err, tol)
+    if no_key_rows is not None and bool((grads[0][:, :, no_key_rows] != 0).any()):
+        return Verdict(False, worst.max_err, worst.tolerance,
+                       "dq of rows that see no key is not exactly zero")
+    return worst
+
+
+BackwardFn = Callable[..., tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]]
+
+
+def check_backward(fn: BackwardFn, *, batch: int, heads: int, kv_heads: int, seq_q: int,
+                   seq_k: int, head_dim: int, causal: bool, dtype: torch.dtype,
+                   scale: float | None = None, layout: str = "bhsd", seed: int | None = None,
+                   device: str = "cuda") -> Verdict:
+    """Run ``fn(q, k, v, out, lse, dout, causal=, scale=, dq=, dk=, dv=)`` once on fresh random
+    inputs and judge the gradients it writes into dq, dk, dv (poisoned with NaN first).
+
+    ``out`` (dtype) and ``lse`` (float32, natural log, contiguous [B, H, Sq]) are the float64
+    reference forward's, rounded. ``layout="bshd"`` passes q, k, v, out, dout and the gradient
+    buffers as transposed views of [B, S, H, D] storage.
+    """
+    import torch
+
+    gen = torch.Generator(device=device)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    gen.manual_seed(seed)
+
+    def storage(h: int, s: int, fill: float | None = None) -> torch.Tensor:
+        shape = (batch, s, h, head_dim) if layout == "bshd" else (batch, h, s, head_dim)
+        if fill is None:
+            x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        else:
+            x = torch.full(shape, fill, device=device, dtype=dtype)
+        return x.transpose(1, 2) if layout == "bshd" else x
+
+    q, k, v = storage(heads, seq_q), storage(kv_heads, seq_k), storage(kv_heads, seq_k)
+    dout = storage(heads, seq_q)
+    ref_out, ref_lse = reference(q, k, v, causal=causal, scale=scale)
+    out = storage(heads, seq_q, 0.0).copy_(ref_out)
+    lse = ref_lse.float().contiguous()
+    nan = float("nan")
+    dq = storage(heads, seq_q, nan)
+    dk, dv = storage(kv_heads, seq_k, nan), storage(kv_heads, seq_k, nan)
+    fn(q, k, v, out, lse, dout, causal=causal, scale=scale, dq=dq, dk=dk, dv=dv)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    refs = reference_grads(q, k, v, dout, causal=causal, scale=scale)
+    baselines = sdpa_grads(q, k, v, dout, causal=causal, scale=scale)
+    no_key = torch.isneginf(ref_lse[0, 0]) if causal else None
+    verdict = judge_grads((dq, dk, dv), refs, baselines, no_key_rows=no_key)
     if not verdict.ok:
         return Verdict(False, verdict.max_err, verdict.tolerance, f"{verdict.reason} (seed {seed})")
     return verdict

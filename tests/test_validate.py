@@ -398,3 +398,183 @@ def test_plan_has_a_tail_check_and_fits_the_reference(w: Workload) -> None:
     if (w.seq_q, w.seq_k) != (tail.seq_q, tail.seq_k):
         assert len(shapes) == 2 and shapes[1].seq_q * shapes[1].seq_k > 0
         assert shapes[1].heads // shapes[1].kv_heads in (1, w.heads // w.kv_heads)
+
+
+# ---- the backward criterion -------------------------------------------------------------------
+
+
+def naive_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+                causal: bool, scale: float | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward formulas one (batch, head) at a time in float64, without autograd: P from
+    the naive loop's log-sum-exp, dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = scale dS K,
+    dK = scale dS^T Q, dK and dV summed over each key/value head's query heads."""
+    out, lse = naive(q, k, v, causal=causal, scale=scale)
+    q, k, v, dout = q.double(), k.double(), v.double(), dout.double()
+    group = q.shape[1] // k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            kh = h // group
+            s = q[b, h] @ k[b, kh].T * scale
+            if causal:
+                s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], "cpu"), NEG_INF)
+            seen = torch.isfinite(lse[b, h])[:, None]
+            p = torch.where(seen, torch.exp(s - torch.where(seen, lse[b, h][:, None], 0.0)), 0.0)
+            dv[b, kh] += p.T @ dout[b, h]
+            ds = p * (dout[b, h] @ v[b, kh].T - (dout[b, h] * out[b, h]).sum(-1, keepdim=True))
+            dq[b, h] = ds @ k[b, kh] * scale
+            dk[b, kh] += ds.T @ q[b, h] * scale
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{s[:6]}-{'causal' if s[6] else 'full'}"
+                                               for s in SHAPES])
+def test_reference_grads_match_the_formulas(shape: tuple) -> None:
+    *dims, causal = shape
+    q, k, v = qkv(*dims)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    got = validate.reference_grads(q, k, v, dout, causal=causal, scale=0.3)
+    want = naive_grads(q, k, v, dout, causal=causal, scale=0.3)
+    for g, w, t in zip(got, want, (q, k, v), strict=True):
+        assert g.dtype == torch.float64 and g.shape == t.shape
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+
+
+def test_sdpa_grads_are_finite_and_zero_on_rows_without_keys() -> None:
+    q, k, v = qkv(1, 4, 2, 7, 3, 8, dtype=torch.float32)  # GQA; rows 0..3 see no key
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
+    dq, dk, dv = validate.sdpa_grads(q, k, v, dout, causal=True)
+    refs = validate.reference_grads(q, k, v, dout, causal=True)
+    for g, r in zip((dq, dk, dv), refs, strict=True):
+        assert g.dtype == torch.float32 and bool(torch.isfinite(g).all())
+        torch.testing.assert_close(g.double(), r, rtol=0, atol=1e-5)
+    assert bool((dq[:, :, :4] == 0).all())
+
+
+def python_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, dout: torch.Tensor, *, causal: bool,
+                    scale: float | None, dq: torch.Tensor, dk: torch.Tensor,
+                    dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A correct backward "kernel" in float32 that, like the real one, recomputes P from the
+    given log-sum-exp and takes delta from the given output."""
+    group = q.shape[1] // k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    qf, kf, vf, of, gf = (t.float() for t in (q, k, v, out, dout))
+    kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
+    s = qf @ kf.transpose(-1, -2) * scale
+    keep = torch.isfinite(lse)[..., None]
+    if causal:
+        keep = keep & causal_mask(q.shape[2], k.shape[2], q.device)
+    p = torch.where(keep, torch.exp(s - torch.where(keep, lse[..., None], 0.0)), 0.0)
+    ds = p * (gf @ vf.transpose(-1, -2) - (gf * of).sum(-1, keepdim=True))
+    b, hkv, sk, d = k.shape
+    dq.copy_(ds @ kf * scale)
+    dk.copy_((ds.transpose(-1, -2) @ qf * scale).view(b, hkv, group, sk, d).sum(2))
+    dv.copy_((p.transpose(-1, -2) @ gf).view(b, hkv, group, sk, d).sum(2))
+    return dq, dk, dv
+
+
+BWD = dict(batch=2, heads=4, kv_heads=2, seq_q=7, seq_k=5, head_dim=8, causal=True,
+           dtype=torch.float32, seed=3, device="cpu")
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize(("seq_q", "seq_k", "causal"), [(7, 5, True), (4, 9, True), (6, 6, False)])
+def test_check_backward_passes_a_correct_kernel(monkeypatch: pytest.MonkeyPatch, layout: str,
+                                                seq_q: int, seq_k: int, causal: bool) -> None:
+    no_cuda(monkeypatch)
+    seen = {}
+
+    def spy(q: torch.Tensor, *args: torch.Tensor, **kw: object) -> tuple:
+        seen.update(q=q, dq=kw["dq"], out=args[2], lse=args[3])
+        assert all(bool(torch.isnan(kw[n]).all()) for n in ("dq", "dk", "dv"))  # poisoned
+        return python_backward(q, *args, **kw)  # type: ignore[arg-type]
+
+    verdict = validate.check_backward(spy, **{**BWD, "seq_q": seq_q, "seq_k": seq_k,
+                                              "causal": causal, "layout": layout})
+    assert verdict.ok, verdict.reason
+    assert verdict.tolerance >= validate.GRAD_FLOOR and verdict.max_err <= verdict.tolerance
+    assert seen["q"].is_contiguous() == (layout == "bhsd")
+    assert seen["dq"].stride() == seen["q"].stride() and seen["out"].dtype == torch.float32
+    assert seen["lse"].is_contiguous() and seen["lse"].shape == (2, 4, seq_q)
+
+
+def test_check_backward_in_half_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    no_cuda(monkeypatch)
+    for dtype in (torch.float16, torch.bfloat16):
+        verdict = validate.check_backward(python_backward, **{**BWD, "dtype": dtype})
+        assert verdict.ok, verdict.reason
+
+
+def test_check_backward_passes_the_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    no_cuda(monkeypatch)
+
+    def default_scale(*args: torch.Tensor, scale: float | None, **kw: object) -> tuple:
+        return python_backward(*args, scale=None, **kw)  # type: ignore[arg-type]
+
+    assert validate.check_backward(python_backward, scale=0.7, **BWD).ok
+    verdict = validate.check_backward(default_scale, scale=0.7, **BWD)
+    assert not verdict.ok and "wrong" in verdict.reason
+
+
+def wrong(change: str):  # type: ignore[no-untyped-def]
+    """python_backward with one mistake."""
+    def fn(*args: torch.Tensor, **kw: torch.Tensor) -> None:
+        python_backward(*args, **kw)  # type: ignore[arg-type]
+        dq, dk, dv = kw["dq"], kw["dk"], kw["dv"]
+        if change == "dv unwritten":
+            dv.fill_(float("nan"))
+        elif change == "one NaN in dq":
+            dq[0, 0, -1, 0] = float("nan")
+        elif change == "dk inf":
+            dk[1, 1, 0, 3] = float("inf")
+        elif change == "dk of one head of the group":
+            q, k, v, out, lse, dout = args
+            one = dict(dq=torch.empty_like(q[:, ::2]), dk=torch.empty_like(dk),
+                       dv=torch.empty_like(dv))
+            python_backward(q[:, ::2], k, v, out[:, ::2], lse[:, ::2].contiguous(),
+                            dout[:, ::2], causal=kw["causal"], scale=kw["scale"], **one)
+            dk.copy_(one["dk"])
+        elif change == "dv off by 1%":
+            dv.mul_(1.01)
+        elif change == "dq nonzero where no key":
+            dq[:, :, 0] += 1e-7
+    return fn
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ("dv unwritten", "dv: 160 non-finite values"),
+    ("one NaN in dq", "dq: 1 non-finite values"),
+    ("dk inf", "dk: 1 non-finite values"),
+    ("dk of one head of the group", "dk wrong"),
+    ("dv off by 1%", "dv wrong"),
+    ("dq nonzero where no key", "dq of rows that see no key is not exactly zero"),
+])
+def test_check_backward_fails_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch, change: str,
+                                             reason: str) -> None:
+    no_cuda(monkeypatch)
+    verdict = validate.check_backward(wrong(change), **BWD)
+    assert not verdict.ok
+    assert verdict.reason.startswith(reason) and verdict.reason.endswith("(seed 3)")
+
+
+def test_judge_grads_never_passes_nan() -> None:
+    ref = torch.zeros(1, 1, 2, 8, dtype=torch.float64)
+    nan = torch.full((1, 1, 2, 8), float("nan"))
+    good = (torch.zeros(1, 1, 2, 8),) * 3
+    assert validate.judge_grads(good, (ref,) * 3, good).ok
+    assert not validate.judge_grads((nan, *good[1:]), (ref,) * 3, good).ok
+    # A NaN baseline makes the tolerance NaN: everything fails, nothing passes by accident.
+    assert not validate.judge_grads(good, (ref,) * 3, (nan,) * 3).ok
+
+
+def test_judge_grads_tolerance_is_per_gradient() -> None:
+    ref = torch.zeros(1, 1, 1, 4, dtype=torch.float64)
+    base = (torch.full((1, 1, 1, 4), 0.01), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))
+    near = torch.full((1, 1, 1, 4), 0.02)  # 2 x dq's baseline error: inside dq's tolerance
+    assert validate.judge_grads((near, ref.float(), ref.float()), (ref,) * 3, base).ok
+    verdict = validate.judge_grads((ref.float(), near, ref.float()), (ref,) * 3, base)
+    assert not verdict.ok and verdict.reason.startswith("dk wrong")
+    assert verdict.tolerance == pytest.approx(validate.GRAD_FLOOR)
