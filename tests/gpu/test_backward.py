@@ -1,0 +1,189 @@
+"""The mma_bwd backward family against the float64 reference gradients, on a real GPU.
+
+Fresh random inputs per check, NaN-poisoned dQ/dK/dV, lengths that are no multiple of any
+tile (and 1), Sq != Sk both ways (causal aligned bottom-right), GQA and MQA, strided views of
+[B, S, H, D] storage, the softmax scale, both ways of accumulating dQ, and bit-identical
+results run to run where the launch is deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from evoengine import paths, validate
+from evoengine.backward import BackwardKernel
+from evoengine.compile import compile_many
+from evoengine.render import Candidate, make_candidate
+from evoengine.runtime import Kernel, gpu_arch
+from evoengine.space import SearchSpace
+
+# Hand-picked points: one or two m16 tiles of dQ rows per warp, 2 to 8 warps, every ring
+# depth and swizzle, K/V fragments in registers or shared memory, both dQ accumulations.
+POINTS = [
+    dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="atomic",
+         KV_IN_REGS=False),
+    dict(BLOCK_M=32, BLOCK_N=32, NUM_WARPS=2, STAGES=1, SWIZZLE="pad", DQ_ACCUM="separate",
+         KV_IN_REGS=True),
+    dict(BLOCK_M=32, BLOCK_N=128, NUM_WARPS=8, STAGES=3, SWIZZLE="none", DQ_ACCUM="atomic",
+         KV_IN_REGS=False),
+    dict(BLOCK_M=32, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="separate",
+         KV_IN_REGS=False),
+    dict(BLOCK_M=64, BLOCK_N=128, NUM_WARPS=8, STAGES=2, SWIZZLE="pad", DQ_ACCUM="atomic",
+         KV_IN_REGS=True),
+]
+PROBLEMS = [dict(HEAD_DIM=d, DTYPE=t, CAUSAL=c) for d in (64, 128) for t in ("fp16", "bf16")
+            for c in (False, True)]
+# (batch, heads, kv_heads, seq_q, seq_k, layout)
+SHAPES = [
+    (1, 2, 2, 509, 509, "bhsd"),    # tails in every tile size
+    (1, 3, 3, 7, 7, "bhsd"),        # shorter than one tile
+    (2, 8, 2, 200, 333, "bshd"),    # GQA 8/2, Sq < Sk, strided views of [B, S, H, D]
+    (1, 6, 1, 300, 129, "bhsd"),    # MQA, Sq > Sk: causal rows with no key
+    (1, 2, 2, 1, 515, "bhsd"),      # one query
+    (1, 2, 1, 77, 1, "bshd"),       # one key
+    (1, 4, 2, 1000, 1100, "bhsd"),  # many query and key blocks: the ring wraps
+]
+TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+_kernels: dict[str, BackwardKernel] = {}
+
+
+@functools.cache
+def space() -> SearchSpace:
+    return SearchSpace.load(paths.SPACES / "mma_bwd.toml")
+
+
+def admitted_cases() -> list[tuple[int, dict]]:
+    """(point index, problem) pairs the space admits on this GPU (all of them on sm_80 and
+    sm_90a; the kernel's own shared memory decides elsewhere)."""
+    arch = gpu_arch()
+    return [(i, pr) for i, p in enumerate(POINTS) for pr in PROBLEMS
+            if not space().violations(p, pr, arch)]
+
+
+def build(cands: list[Candidate]) -> list[BackwardKernel]:
+    """Compile what is missing in parallel, then load; cached across tests."""
+    arch = gpu_arch()
+    todo = [c for c in cands if c.identity not in _kernels]
+    for c, result in zip(todo, compile_many(todo, arch), strict=True):
+        assert result.ok, f"{c.identity}: {result.error}"
+        assert not result.spill_bytes, f"{c.identity} spills {result.spill_bytes} bytes"
+        kernel = BackwardKernel(c, result)
+        kernel.load(torch.cuda.current_device())
+        _kernels[c.identity] = kernel
+    return [_kernels[c.identity] for c in cands]
+
+
+def kernel_for(point: dict, problem: dict) -> BackwardKernel:
+    (kernel,) = build([make_candidate(space(), point, problem, gpu_arch())])
+    return kernel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prebuild() -> None:
+    if not space().supports(gpu_arch()):
+        pytest.skip(f"mma_bwd does not target {gpu_arch().name}")
+    build([make_candidate(space(), POINTS[i], pr, gpu_arch()) for i, pr in admitted_cases()])
+
+
+def run_check(kernel: BackwardKernel, shape: tuple, scale: float | None = None,
+              **launch: object) -> validate.Verdict:
+    b, h, hkv, sq, sk, layout = shape
+    fn = functools.partial(kernel, **launch) if launch else kernel
+    return validate.check_backward(
+        fn, batch=b, heads=h, kv_heads=hkv, seq_q=sq, seq_k=sk, head_dim=kernel.head_dim,
+        causal=kernel.causal, dtype=TORCH_DTYPE[kernel.dtype], scale=scale, layout=layout)
+
+
+def case_id(case: tuple[int, dict]) -> str:
+    i, p = case
+    return "p{}-d{HEAD_DIM}-{DTYPE}-{CAUSAL}".format(i, **p)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("case", [(i, p) for i in range(len(POINTS)) for p in PROBLEMS],
+                         ids=case_id)
+def test_matches_reference(case: tuple[int, dict], shape: tuple) -> None:
+    i, problem = case
+    if space().violations(POINTS[i], problem, gpu_arch()):
+        pytest.skip("not admitted here (registers or shared memory)")
+    kernel = kernel_for(POINTS[i], problem)
+    verdict = run_check(kernel, shape)
+    assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_scale(causal: bool) -> None:
+    kernel = kernel_for(POINTS[0], dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=causal))
+    for scale in (0.02, 0.5, -0.1, 0.0):
+        verdict = run_check(kernel, (1, 4, 2, 130, 97, "bshd"), scale=scale)
+        assert verdict.ok, f"scale {scale}: {verdict.reason}"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_deterministic_launch_of_an_atomic_kernel_passes(dtype: str) -> None:
+    kernel = kernel_for(POINTS[0], dict(HEAD_DIM=128, DTYPE=dtype, CAUSAL=True))
+    for shape in ((2, 8, 2, 200, 333, "bshd"), (1, 6, 1, 300, 129, "bhsd")):
+        verdict = run_check(kernel, shape, deterministic=True)
+        assert verdict.ok, f"{shape}: {verdict.reason}"
+
+
+def inputs(shape: tuple, dtype: torch.dtype, causal: bool, seed: int = 0) -> tuple:
+    b, h, hkv, sq, sk, _ = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def make(heads: int, seq: int) -> torch.Tensor:
+        return torch.randn((b, heads, seq, 64), generator=gen, device="cuda").to(dtype)
+
+    q, k, v, dout = make(h, sq), make(hkv, sk), make(hkv, sk), make(h, sq)
+    out, lse = validate.reference(q, k, v, causal=causal)
+    return q, k, v, out.to(dtype), lse.float().contiguous(), dout
+
+
+@pytest.mark.parametrize(("point", "deterministic"), [(0, True), (2, True), (3, False)])
+def test_deterministic_results_are_bit_identical(point: int, deterministic: bool) -> None:
+    kernel = kernel_for(POINTS[point], dict(HEAD_DIM=64, DTYPE="bf16", CAUSAL=True))
+    args = inputs((2, 8, 2, 1000, 1100, "bhsd"), torch.bfloat16, causal=True)
+    first = kernel(*args, causal=True, deterministic=deterministic)
+    first = tuple(g.clone() for g in first)
+    for _ in range(3):
+        again = kernel(*args, causal=True, deterministic=deterministic)
+        for name, a, b in zip(validate.GRAD_NAMES, first, again, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+
+
+def test_gradients_of_the_forward_kernels_own_output() -> None:
+    """The backward takes the forward mma kernel's out and log-sum-exp as they are written
+    (natural log, -inf on rows that see no key), and its gradients pass the criterion."""
+    fwd_space = SearchSpace.load(paths.SPACES / "mma.toml")
+    problem = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True)
+    fwd = Kernel.build(make_candidate(fwd_space, dict(
+        BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True,
+        LAZY_RESCALE=False, MIN_BLOCKS=1, PIPELINE="joint"), problem, gpu_arch()), gpu_arch())
+    bwd = kernel_for(POINTS[0], problem)
+    q, k, v, _, _, dout = inputs((1, 6, 2, 300, 129, "bhsd"), torch.float16, causal=True)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
+    out = fwd(q, k, v, lse=lse)
+    assert bool(torch.isneginf(lse[0, 0, :171]).all())  # rows that see no key
+    grads = bwd(q, k, v, out, lse, dout, causal=True)
+    torch.cuda.synchronize()
+    refs = validate.reference_grads(q, k, v, dout, causal=True)
+    baselines = validate.sdpa_grads(q, k, v, dout, causal=True)
+    verdict = validate.judge_grads(grads, refs, baselines,
+                                   no_key_rows=torch.isneginf(lse[0, 0].double()))
+    assert verdict.ok, verdict.reason
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_zero_output_gradient_gives_exactly_zero(deterministic: bool) -> None:
+    """Nothing but the products of the inputs reaches the outputs: no workspace left
+    unzeroed, no part of dQ summed that no key block stored."""
+    kernel = kernel_for(POINTS[0], dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True))
+    q, k, v, out, lse, dout = inputs((1, 2, 2, 333, 300, "bhsd"), torch.float16, causal=True)
+    grads = kernel(q, k, v, out, lse, torch.zeros_like(dout), causal=True,
+                   deterministic=deterministic)
+    for name, g in zip(validate.GRAD_NAMES, grads, strict=True):
+        assert bool((g == 0).all()), name
