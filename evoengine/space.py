@@ -10,7 +10,11 @@ A space is a TOML file under ``search_spaces/`` (see ``search_spaces/mma.toml``)
   candidate;
 - ``[derived]``: named expressions computed from the above, in order (shared memory, ...);
 - ``[[constraints]]``: a ``rule`` that must hold and ``why`` it must, so a rejected candidate
-  says what it broke.
+  says what it broke;
+- ``[legacy]``: for a parameter added after points were measured, the value that builds the
+  kernel as it was before the parameter existed. ``complete`` fills it into a stored point
+  that lacks the parameter, so points measured before it stay valid, buildable and
+  comparable with the points that have it.
 
 Expressions may read the problem, the parameters, earlier derived values and the target's
 limits (``SM``, ``SMEM_LIMIT``, ``MAX_THREADS``, ``REGS_PER_SM``).
@@ -32,7 +36,8 @@ from evoengine.expr import Expr, ExprError
 
 _ARCH_NAMES = frozenset(("SM", "SMEM_LIMIT", "MAX_THREADS", "REGS_PER_SM"))
 _FAMILY_NAME = re.compile(r"[a-z][a-z0-9_]*")
-_TOP_KEYS = {"family", "description", "archs", "problem", "parameters", "derived", "constraints"}
+_TOP_KEYS = {"family", "description", "archs", "problem", "parameters", "derived", "constraints",
+             "legacy"}
 
 
 def _in_domain(value: object, domain: tuple[object, ...]) -> bool:
@@ -60,6 +65,7 @@ class SearchSpace:
     derived: dict[str, Expr]
     constraints: tuple[Constraint, ...]
     path: Path | None = field(default=None, compare=False)
+    legacy: dict[str, object] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path) -> SearchSpace:
@@ -132,8 +138,16 @@ class SearchSpace:
             if not isinstance(c["why"], str) or not c["why"].strip():
                 raise fail(f"constraints[{i}].why must be a sentence saying why")
             constraints.append(Constraint(cls._expr(c["rule"], known, fail, c["rule"]), c["why"]))
+        legacy = data.get("legacy", {})
+        if not isinstance(legacy, dict):
+            raise fail("[legacy] must be a table of parameter = value")
+        for name, value in legacy.items():
+            if name not in parameters:
+                raise fail(f"legacy.{name} is not a parameter")
+            if not _in_domain(value, parameters[name]):
+                raise fail(f"legacy.{name} = {value!r} is not in its domain {parameters[name]}")
         return cls(family, str(data.get("description", "")), archs, problem, parameters,
-                   derived, tuple(constraints), path)
+                   derived, tuple(constraints), path, dict(legacy))
 
     @staticmethod
     def _expr(text: object, known: set[str], fail, what: str) -> Expr:  # type: ignore[no-untyped-def]
@@ -149,6 +163,20 @@ class SearchSpace:
         return expr
 
     # ---- evaluation ---------------------------------------------------------------------
+
+    def complete(self, params: Mapping[str, object]) -> dict[str, object]:
+        """``params`` in declared order, with the legacy value of each parameter it lacks.
+
+        A point stored before a parameter was added names the kernel that the parameter's
+        legacy value builds: this is how every reader of stored points (export, the
+        elites, the sampler's seeds, records) sees it. A parameter without a legacy value
+        stays missing, for ``violations`` to report; names the space does not declare are
+        kept, after the declared ones.
+        """
+        out = {name: params[name] if name in params else self.legacy[name]
+               for name in self.parameters if name in params or name in self.legacy}
+        out.update((k, v) for k, v in params.items() if k not in self.parameters)
+        return out
 
     def supports(self, arch: Arch) -> bool:
         return arch.name in self.archs
