@@ -33,10 +33,15 @@ class UsageError(Exception):
     """A problem with what the user asked for; printed as one line, exit status 2."""
 
 
-def _spaces(files: Sequence[str] | None) -> list:
+def _spaces(files: Sequence[str] | None, kind: str | None) -> list:
+    """The spaces named, or every shipped space of problem ``kind`` (None: every kind)."""
+    from evoengine.problems import problem
     from evoengine.space import SearchSpace, default_spaces
 
-    return [SearchSpace.load(f) for f in files] if files else default_spaces()
+    spaces = [SearchSpace.load(f) for f in files] if files else default_spaces(kind)
+    for space in spaces:
+        problem(space.kind)  # a kind no problem is registered for is refused here
+    return spaces
 
 
 # ---- compile-check ------------------------------------------------------------------------
@@ -47,7 +52,7 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
     from evoengine.space import spread
 
     arch = get_arch(args.arch)
-    spaces = _spaces(args.space)
+    spaces = _spaces(args.space, None)
     if not any(s.supports(arch) for s in spaces):
         raise UsageError(f"no search space targets {arch.name}")
     points = spread(spaces, arch, args.limit, args.seed)
@@ -246,7 +251,11 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     # Everything the user can get wrong is refused before looking for a GPU: the spaces,
     # the workload, whether any family can serve it, the store's name.
-    spaces = _spaces(args.space)
+    spaces = _spaces(args.space, args.kind)
+    wrong = [f"{s.path or s.family} ({s.kind})" for s in spaces if s.kind != args.kind]
+    if wrong:
+        raise UsageError(f"--kind {args.kind} searches {args.kind} spaces, not "
+                         + ", ".join(wrong))
     store = resolve_url(args.store or (paths.REPLAY_STORE if args.replay else None))
     run_kw: dict = {}
     if args.replay:

@@ -34,7 +34,7 @@ from evoengine._standalone import (
 from evoengine.arch import Arch, get_arch
 from evoengine.compile import LAUNCHER, compile_many, compile_source, nvrtc_version
 from evoengine.provenance import git_commit
-from evoengine.render import make_candidate, render
+from evoengine.render import Candidate, make_candidate, make_identity, render
 from evoengine.space import SearchSpace
 from evoengine.store import CandidateRecord, EliteRecord, RunRecord, Store
 from evoengine.workload import Workload
@@ -112,30 +112,37 @@ def winners(store: Store, arch: Arch, study: str | None = None) -> list[Winner]:
 def kernel_specs(found: list[Winner], arch: Arch) -> tuple[list[dict[str, Any]], list[Entry]]:
     """Compile each distinct winner for ``arch``; its spec (source, cubin, hashes, launch
     geometry) and one dispatch entry per workload it won."""
-    identities = list(dict.fromkeys(w.elite.identity for w in found))
     records = {w.elite.identity: w.candidate for w in found}
     spaces: dict[str, SearchSpace] = {}
-    cands = []
-    for identity in identities:
-        rec = records[identity]
+    built: dict[str, tuple[str, Candidate]] = {}  # stored identity -> (kernel name, candidate)
+    for identity, rec in records.items():
         if rec.family not in spaces:
             try:
                 spaces[rec.family] = SearchSpace.load(paths.SPACES / f"{rec.family}.toml")
             except ValueError as e:
                 raise ExportError(f"elite {identity}: {e}") from None
+        # A point stored before a parameter was added takes its legacy value (space.py).
+        space = spaces[rec.family]
         try:
-            cands.append(make_candidate(spaces[rec.family], rec.params, rec.problem, arch))
+            cand = make_candidate(space, space.complete(rec.params), rec.problem, arch)
         except ValueError as e:
             raise ExportError(f"elite {identity} is not admitted for {arch.name}: {e}") from None
-    # Elites rendered from today's templates come from the compile cache; an elite from an
-    # older template is built from the source stored with it, which is what was measured.
-    current = [c for c in cands if c.identity in records]
+        # An elite of today's template (its identity is what today's template makes of its
+        # stored parameters) is today's rendering of its completed point, named by that
+        # point's identity: one kernel, whichever parameter layout stored it. An elite of an
+        # older template is the kernel that was measured, built from its stored source.
+        today = identity in (cand.identity, make_identity(rec.family, rec.problem, rec.params))
+        built[identity] = (cand.identity if today else identity, cand)
+    kernels: dict[str, tuple[str, Candidate]] = {}  # kernel identity -> (stored one, candidate)
+    for identity, (name, cand) in built.items():
+        kernels.setdefault(name, (identity, cand))
+    current = [cand for name, (_, cand) in kernels.items() if name == cand.identity]
     compiled = dict(zip((c.identity for c in current), compile_many(current, arch),
                         strict=True))
     specs = []
-    for identity, cand in zip(identities, cands, strict=True):
-        if identity in compiled:
-            source, result = render(cand), compiled[identity]
+    for name, (identity, cand) in kernels.items():
+        if name in compiled:
+            source, result = render(cand), compiled[name]
         else:
             source = records[identity].source
             result = compile_source(source, arch, cand.defines(arch), identity=identity,
@@ -144,16 +151,16 @@ def kernel_specs(found: list[Winner], arch: Arch) -> tuple[list[dict[str, Any]],
             raise ExportError(f"elite {identity} does not compile for {arch.name}: "
                               f"{result.error}")
         specs.append({
-            "name": identity, "family": cand.family, "problem": dict(cand.problem),
+            "name": name, "family": cand.family, "problem": dict(cand.problem),
             "params": dict(cand.params), "block_m": cand.block_m, "threads": cand.threads,
             "smem_bytes": cand.smem_bytes, "defines": cand.defines(arch),
             "registers": result.registers, "spill_bytes": result.spill_bytes,
             "source": source, "source_sha256": sha256(source),
             "cubin": result.cubin, "cubin_sha256": sha256(result.cubin),
         })
-    index = {identity: i for i, identity in enumerate(identities)}
+    index = {name: i for i, name in enumerate(kernels)}
     entries = [
-        Entry(kernel=index[w.elite.identity], dtype=w.workload.dtype,
+        Entry(kernel=index[built[w.elite.identity][0]], dtype=w.workload.dtype,
               head_dim=w.workload.head_dim, causal=w.workload.causal,
               seq_q=w.workload.seq_q, seq_k=w.workload.seq_k,  # type: ignore[arg-type]
               batch=w.workload.batch, heads=w.workload.heads, median_us=w.elite.median_us,

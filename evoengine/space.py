@@ -3,7 +3,8 @@
 A space is a TOML file under ``search_spaces/`` (see ``search_spaces/mma.toml``):
 
 - ``family``, ``description``, ``archs``: which template it tunes and for which targets;
-- ``kind``: ``"forward"`` (the default) or ``"backward"``: which pass the family computes.
+- ``kind``: the problem the family's kernels solve (``evoengine.problems``: ``"fwd"``, the
+  default, or ``"bwd"``).
   The forward search and ``default_spaces()`` take forward families only;
 - ``[problem]``: the workload dimensions compiled into a kernel (head dim, dtype, causal).
   Results for different values are incomparable; the lists are the defaults that
@@ -12,7 +13,11 @@ A space is a TOML file under ``search_spaces/`` (see ``search_spaces/mma.toml``)
   candidate;
 - ``[derived]``: named expressions computed from the above, in order (shared memory, ...);
 - ``[[constraints]]``: a ``rule`` that must hold and ``why`` it must, so a rejected candidate
-  says what it broke.
+  says what it broke;
+- ``[legacy]``: for a parameter added after points were measured, the value that builds the
+  kernel as it was before the parameter existed. ``complete`` fills it into a stored point
+  that lacks the parameter, so points measured before it stay valid, buildable and
+  comparable with the points that have it.
 
 Expressions may read the problem, the parameters, earlier derived values and the target's
 limits (``SM``, ``SMEM_LIMIT``, ``MAX_THREADS``, ``REGS_PER_SM``).
@@ -31,12 +36,12 @@ from pathlib import Path
 from evoengine import paths
 from evoengine.arch import Arch, get_arch
 from evoengine.expr import Expr, ExprError
+from evoengine.problems.base import DEFAULT_KIND
 
 _ARCH_NAMES = frozenset(("SM", "SMEM_LIMIT", "MAX_THREADS", "REGS_PER_SM"))
 _FAMILY_NAME = re.compile(r"[a-z][a-z0-9_]*")
 _TOP_KEYS = {"family", "kind", "description", "archs", "problem", "parameters", "derived",
-             "constraints"}
-KINDS = ("forward", "backward")
+             "constraints", "legacy"}
 
 
 def _in_domain(value: object, domain: tuple[object, ...]) -> bool:
@@ -64,7 +69,8 @@ class SearchSpace:
     derived: dict[str, Expr]
     constraints: tuple[Constraint, ...]
     path: Path | None = field(default=None, compare=False)
-    kind: str = "forward"
+    kind: str = DEFAULT_KIND
+    legacy: dict[str, object] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path) -> SearchSpace:
@@ -95,9 +101,12 @@ class SearchSpace:
                 or paths.family_dir(family) is None):
             raise fail(f"family {family!r} has no <family>/kernel.cu.j2 under "
                        f"{', '.join(map(str, paths.template_dirs()))}")
-        kind = data.get("kind", "forward")
-        if kind not in KINDS:
-            raise fail(f"kind must be one of {list(KINDS)}, got {kind!r}")
+        # A name here; whether a problem of that kind exists is the registry's to say when
+        # the space is used (evoengine.problems imports the runtime, which imports spaces).
+        kind = data.get("kind", DEFAULT_KIND)
+        if not isinstance(kind, str) or not _FAMILY_NAME.fullmatch(kind):
+            raise fail(f"kind must be a problem kind's name (e.g. {DEFAULT_KIND!r}), "
+                       f"got {kind!r}")
         if not isinstance(data["archs"], list) or not data["archs"]:
             raise fail("archs must be a non-empty list of target names")
         try:
@@ -140,8 +149,16 @@ class SearchSpace:
             if not isinstance(c["why"], str) or not c["why"].strip():
                 raise fail(f"constraints[{i}].why must be a sentence saying why")
             constraints.append(Constraint(cls._expr(c["rule"], known, fail, c["rule"]), c["why"]))
+        legacy = data.get("legacy", {})
+        if not isinstance(legacy, dict):
+            raise fail("[legacy] must be a table of parameter = value")
+        for name, value in legacy.items():
+            if name not in parameters:
+                raise fail(f"legacy.{name} is not a parameter")
+            if not _in_domain(value, parameters[name]):
+                raise fail(f"legacy.{name} = {value!r} is not in its domain {parameters[name]}")
         return cls(family, str(data.get("description", "")), archs, problem, parameters,
-                   derived, tuple(constraints), path, str(kind))
+                   derived, tuple(constraints), path, str(kind), dict(legacy))
 
     @staticmethod
     def _expr(text: object, known: set[str], fail, what: str) -> Expr:  # type: ignore[no-untyped-def]
@@ -157,6 +174,20 @@ class SearchSpace:
         return expr
 
     # ---- evaluation ---------------------------------------------------------------------
+
+    def complete(self, params: Mapping[str, object]) -> dict[str, object]:
+        """``params`` in declared order, with the legacy value of each parameter it lacks.
+
+        A point stored before a parameter was added names the kernel that the parameter's
+        legacy value builds: this is how every reader of stored points (export, the
+        elites, the sampler's seeds, records) sees it. A parameter without a legacy value
+        stays missing, for ``violations`` to report; names the space does not declare are
+        kept, after the declared ones.
+        """
+        out = {name: params[name] if name in params else self.legacy[name]
+               for name in self.parameters if name in params or name in self.legacy}
+        out.update((k, v) for k, v in params.items() if k not in self.parameters)
+        return out
 
     def supports(self, arch: Arch) -> bool:
         return arch.name in self.archs
@@ -207,7 +238,7 @@ class SearchSpace:
         return n
 
 
-def default_spaces(kind: str | None = "forward") -> list[SearchSpace]:
+def default_spaces(kind: str | None = DEFAULT_KIND) -> list[SearchSpace]:
     """Every space shipped under ``search_spaces/`` of ``kind`` (all of them for None): the
     forward search never mixes in a backward family."""
     spaces = [SearchSpace.load(p) for p in sorted(paths.SPACES.glob("*.toml"))]

@@ -383,3 +383,25 @@ def check_workload(fn: AttentionFn, workload: Workload, *, scale: float | None =
         if verdict.max_err >= worst.max_err:
             worst = verdict
     return worst
+
+
+def check_backward_workload(fn: BackwardFn, workload: Workload, *, scale: float | None = None,
+                            device: str = "cuda") -> Verdict:
+    """The backward criterion on every shape of ``plan(workload)``, each on fresh inputs: the
+    first failure, or a pass carrying the gradient nearest its tolerance."""
+    import torch
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[workload.dtype]
+    worst = Verdict(True, 0.0, math.inf)
+    for shape in plan(workload):
+        verdict = check_backward(fn, batch=shape.batch, heads=shape.heads,
+                                 kv_heads=shape.kv_heads, seq_q=shape.seq_q, seq_k=shape.seq_k,
+                                 head_dim=workload.head_dim, causal=workload.causal,
+                                 dtype=dtype, scale=scale, layout=shape.layout, device=device)
+        if not verdict.ok:
+            where = f"B{shape.batch} H{shape.heads}/{shape.kv_heads} {shape.seq_q}x{shape.seq_k}"
+            return Verdict(False, verdict.max_err, verdict.tolerance,
+                           f"{verdict.reason} at {where}")
+        if verdict.max_err / verdict.tolerance >= worst.max_err / worst.tolerance:
+            worst = verdict
+    return worst

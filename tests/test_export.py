@@ -26,7 +26,13 @@ from evoengine import _standalone, paths
 from evoengine.arch import get_arch
 from evoengine.compile import compile_candidate
 from evoengine.export import ExportError, export_best, load, render_module
-from evoengine.render import Candidate, make_candidate, render
+from evoengine.render import (
+    Candidate,
+    make_candidate,
+    make_identity,
+    render,
+    template_hash,
+)
 from evoengine.space import SearchSpace
 from evoengine.store import Store
 from evoengine.workload import Workload
@@ -327,6 +333,44 @@ def test_an_elite_from_an_older_template_ships_its_stored_source(
     (kernel,) = import_path(done.path, "tuned_attention_old").attention.kernels
     assert kernel.name == old_identity and kernel.source == old_source
     assert kernel.cubin[:4] == b"\x7fELF"
+
+
+RECORD = (Path(__file__).parent / "data"
+          / "sweep-sm_90a-b8-h16-kv16-sq4096-sk4096-d128-causal-fp16.json.gz")
+
+
+def test_a_store_from_before_a_parameter_was_added_exports(
+        built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A point stored without TILE_ORDER and SCHEDULER (the layout of the recorded sweep, and
+    of a store written by replaying it) exports with their legacy values; the same kernel
+    stored in today's layout for another workload is one kernel in the module."""
+    from evoengine.search.replay import load_record
+
+    monkeypatch.setenv("EVOENGINE_CACHE", str(built.db.parent / "cache"))
+    record = load_record(RECORD)
+    best = min((p for p in record.points if p.family == "wgmma" and p.ok),
+               key=lambda p: p.median_us)  # type: ignore[arg-type,return-value]
+    assert "TILE_ORDER" not in best.params and "SCHEDULER" not in best.params
+    problem = record.workload.problem()
+    old_identity = make_identity("wgmma", problem, best.params)  # as the replay stores it
+    space = SearchSpace.load(paths.SPACES / "wgmma.toml")
+    today = make_candidate(space, {**best.params, "TILE_ORDER": "head", "SCHEDULER": "static"},
+                           problem, ARCH)
+    other = Workload(2, 16, 4096, 128, causal=True)
+    with Store(f"sqlite:///{tmp_path / 'before.db'}") as store:
+        store.add_candidate(identity=old_identity, family="wgmma",
+                            template_hash=template_hash("wgmma"), params=best.params,
+                            problem=problem, source="")
+        win(store, record.workload, [(old_identity, best.median_us)], study="replay")
+        add(store, today)
+        win(store, other, [(today.identity, 300.0)], study="today")
+    done = export_best(tmp_path / "before.db", "sm_90a", output=tmp_path / "before.py")
+    assert done.kernels == [today.identity] and len(done.entries) == 2
+    module = import_path(done.path, "tuned_attention_before")
+    (spec,) = module._KERNEL_SPECS
+    assert spec["params"] == {**best.params, "TILE_ORDER": "head", "SCHEDULER": "static"}
+    (kernel,) = module.attention.kernels
+    assert kernel.source == render(today) and kernel.cubin[:4] == b"\x7fELF"
 
 
 def test_render_module_is_deterministic_given_its_inputs(tmp_path: Path) -> None:

@@ -48,3 +48,25 @@ def test_the_forward_names_its_workload_by_flags() -> None:
                                                          causal=True, dtype="bf16")
     with pytest.raises(ValueError, match="--shape"):
         fwd.workload_from_arguments(parser.parse_args([]))
+
+
+def test_the_backward_is_a_kind_of_its_own_over_the_same_geometry() -> None:
+    from evoengine.problems.backward import BackwardWorkload
+
+    fwd = Workload(2, 8, 100, 64, kv_heads=2, causal=True)
+    bwd = BackwardWorkload.of(fwd)
+    assert problems.problem_of(bwd).kind == "bwd" and bwd != fwd
+    assert bwd.key() == "bwd-" + fwd.key() and bwd.problem() == fwd.problem()
+    assert bwd.flops() == 2.5 * fwd.flops()
+    assert problems.workload_from_key(bwd.key()) == bwd
+    assert problems.workload_from_dict(bwd.to_dict()) == bwd
+    with pytest.raises(ValueError, match="not a backward workload key"):
+        problems.problem("bwd").workload_from_key(fwd.key())
+
+
+def test_every_shipped_space_names_a_registered_problem() -> None:
+    from evoengine.space import default_spaces
+
+    kinds = {space.family: space.kind for space in default_spaces(None)}
+    assert set(kinds.values()) <= set(problems.PROBLEMS)
+    assert kinds["mma_bwd"] == "bwd" and kinds["mma"] == kinds["wgmma"] == "fwd"

@@ -16,6 +16,7 @@ from typing import Any
 import optuna
 import pytest
 
+from evoengine import paths
 from evoengine.cli import main
 from evoengine.search import Progress, SearchConfig, search
 from evoengine.search.replay import (
@@ -32,6 +33,7 @@ from evoengine.search.replay import (
     synthetic_record,
 )
 from evoengine.store import Store
+from evoengine.workload import Workload
 from tests.test_search import SM90, WORKLOAD, FakeEvaluator, fake_time, mma, stub_compile
 
 KEY = WORKLOAD.key()
@@ -287,3 +289,109 @@ def test_the_shipped_sweeps_replay_with_the_spaces_they_were_swept_with(tmp_path
                     domain=domain, progress=Progress(1.0, quiet=True))
     assert result.tally.evaluated == 20 and result.status == "done"
     assert min(r["ours_us"] for r in result.rows) >= rec.optimum().median_us
+
+
+# ---- a store written by a replay outlives the spaces it was searched with -------------------
+
+SWEEP = Path(__file__).parent / "data" / (
+    "sweep-sm_90a-b8-h16-kv16-sq4096-sk4096-d128-causal-fp16.json.gz")
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The store of ``evoengine search --replay`` of a shipped sweep: its points in the layout
+    they were swept with, before TILE_ORDER and SCHEDULER were added to wgmma."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('replayed') / 'replay.db'}"
+    assert main(["search", "--replay", str(SWEEP), "--trials", "30", "--seed", "1",
+                 "--workers", "1", "--store", url]) == 0
+    with Store(url) as store:
+        elites = store.elites(arch="sm_90a")
+    # The sweep's best mma point (1496.5 us) is slower than its median wgmma one (1347.8 us).
+    assert [e.family for e in elites[:2]] == ["wgmma", "wgmma"]
+    assert all("TILE_ORDER" not in e.params and "SCHEDULER" not in e.params
+               for e in elites if e.family == "wgmma")
+    return url
+
+
+def test_a_replayed_store_exports_with_the_legacy_values(
+        replayed: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #15: ``export best`` of a replay's store failed with "missing parameters
+    ['SCHEDULER', 'TILE_ORDER']"."""
+    from evoengine.space import SearchSpace
+    from tests.test_export import import_path
+
+    monkeypatch.setenv("EVOENGINE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "tuned.py"
+    assert main(["export", "best", "--store", replayed, "--arch", "sm_90a", "-o", str(out)]) == 0
+    with Store(replayed) as store:
+        (elite,) = [e for e in store.elites(arch="sm_90a") if e.rank == 1]
+    (spec,) = import_path(out, "tuned_attention_replayed")._KERNEL_SPECS
+    assert spec["params"] == {**elite.params, "TILE_ORDER": "head", "SCHEDULER": "static"}
+    wgmma = SearchSpace.load(paths.SPACES / "wgmma.toml")
+    assert list(spec["params"]) == list(wgmma.parameters)
+
+
+def test_a_replayed_store_records_in_todays_layout(replayed: str) -> None:
+    from evoengine.space import default_spaces
+
+    with Store(replayed) as store:
+        (run,) = store.runs()
+        rec = record_from_store(store, "sm_90a", run.workload_key)
+        stored = {(c.family, json.dumps(c.params, sort_keys=True)) for c in store.candidates()}
+    wgmma = {s.family: s for s in default_spaces()}["wgmma"]
+    assert rec.families["wgmma"]["parameters"] == list(wgmma.parameters)
+    assert rec.families["wgmma"]["space"] == wgmma.path.read_text()  # type: ignore[union-attr]
+    points = [p for p in rec.points if p.family == "wgmma"]
+    assert points and all(p.params["TILE_ORDER"] == "head" and p.params["SCHEDULER"] == "static"
+                          for p in points)
+    swept = load_record(SWEEP)
+    for p in points:  # each the swept point, with the legacy values filled in
+        before = {k: v for k, v in p.params.items() if k not in ("TILE_ORDER", "SCHEDULER")}
+        assert ("wgmma", json.dumps(before, sort_keys=True)) in stored
+        assert swept.lookup("wgmma", before).median_us == p.median_us  # type: ignore[union-attr]
+
+
+def builds(candidate: Any, arch: str) -> Any:
+    """Compiles nothing and fails nothing."""
+    from evoengine.compile import CompileResult
+
+    return CompileResult(candidate.identity, arch, True, registers=128, spill_stores=0,
+                         spill_loads=0, smem_bytes=candidate.smem_bytes, cubin=b"stub")
+
+
+class Steady(FakeEvaluator):
+    """Every point valid and equally fast, whatever its family."""
+
+    def evaluate(self, candidate: Any, compiled: Any) -> Any:
+        from evoengine.search.evaluator import Evaluation
+
+        self.evaluated.append(candidate.identity)
+        return Evaluation(True, median_us=500.0, spread_us=0.5, reps=50, graph=False,
+                          max_err=1e-3, tolerance=2e-3)
+
+    def final(self, entries: Any, rounds: int) -> dict[str, Any]:
+        return {"candidates": [{"median_us": 500.0, "spread_us": 0.1, "rounds": rounds}
+                               for _ in entries], "flash": 110.0, "cudnn": 80.0}
+
+
+def test_a_search_on_todays_spaces_seeds_from_a_replayed_stores_elites(replayed: str) -> None:
+    """The elites of another workload seed the sampler: those stored before TILE_ORDER and
+    SCHEDULER existed are tried first as their legacy points."""
+    from evoengine.search.domain import Domain
+    from evoengine.space import default_spaces
+
+    wgmma = [s for s in default_spaces() if s.family == "wgmma"]
+    other = Workload(2, 16, 1024, 128, causal=True)
+    with Store(replayed) as store:
+        seeds = [e for e in store.elites(arch="sm_90a") if e.rank <= 2]
+    domain = Domain(wgmma, other, SM90)
+    want = {domain.identity("wgmma", {**e.params, "TILE_ORDER": "head", "SCHEDULER": "static"})
+            for e in seeds}
+    result = search(SearchConfig(workload=other, spaces=wgmma, arch=SM90, store=replayed,
+                                 trials=4, seed=1, compile_workers=1),
+                    evaluator=Steady(), progress=Progress(1.0, quiet=True), compile_fn=builds)
+    trials = optuna.load_study(study_name=result.study, storage=replayed).get_trials()
+    proposed = [domain.identity(*domain.from_trial_params(t.params))  # type: ignore[misc]
+                for t in sorted(trials, key=lambda t: t.number)]
+    assert len(want) == 2 and set(proposed[:2]) == want
+

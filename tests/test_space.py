@@ -227,6 +227,70 @@ def test_out_of_domain_and_missing_parameters_are_explained() -> None:
     ]
 
 
+# ---- parameters added later: legacy values ---------------------------------------------------
+
+# What each shipped space fills into a point stored before the parameter existed: the value
+# that builds the kernel as it was then (the commits that added them are in the TOMLs).
+LEGACY = {
+    "mma": {"LAZY_RESCALE": False, "MIN_BLOCKS": 1, "PIPELINE": "split"},
+    "wgmma": {"TILE_ORDER": "head", "SCHEDULER": "static"},
+    "wmma": {},
+}
+WGMMA_BEFORE = dict(BLOCK_M=128, BLOCK_N=96, STAGES=2, SWIZZLE=128, P_FROM="regs",
+                    INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=True)  # as swept at ff1d722
+WGMMA_CAUSAL = {"HEAD_DIM": 128, "DTYPE": "fp16", "CAUSAL": True}
+
+
+def test_shipped_spaces_declare_the_legacy_values() -> None:
+    assert {s.family: s.legacy for s in default_spaces()} == LEGACY
+
+
+def test_complete_fills_legacy_values_in_declared_order() -> None:
+    space = shipped("wgmma")
+    sm90 = get_arch("sm_90a")
+    assert space.violations(WGMMA_BEFORE, WGMMA_CAUSAL, sm90) == [
+        "missing parameters ['SCHEDULER', 'TILE_ORDER']"]
+    done = space.complete(WGMMA_BEFORE)
+    assert done == {**WGMMA_BEFORE, "TILE_ORDER": "head", "SCHEDULER": "static"}
+    assert list(done) == list(space.parameters)
+    assert space.violations(done, WGMMA_CAUSAL, sm90) == []
+    # A stored value wins over the legacy one; a complete point comes back as it was.
+    later = {**done, "TILE_ORDER": "l2", "SCHEDULER": "dynamic"}
+    assert space.complete(later) == later
+    # Only the layout in between (TILE_ORDER, no SCHEDULER) is filled where it lacks.
+    assert space.complete({**WGMMA_BEFORE, "TILE_ORDER": "l2"})["SCHEDULER"] == "static"
+    assert WGMMA_BEFORE == dict(BLOCK_M=128, BLOCK_N=96, STAGES=2, SWIZZLE=128, P_FROM="regs",
+                                INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=True)
+
+
+def test_complete_leaves_what_has_no_legacy_value_to_violations() -> None:
+    space = shipped("mma")
+    partial = {k: v for k, v in BASE_POINT["mma"].items() if k not in ("STAGES", "PIPELINE")}
+    done = space.complete({**partial, "GONE": 1})
+    assert done["PIPELINE"] == "split" and "STAGES" not in done
+    assert list(done)[-1] == "GONE"  # undeclared names are kept, after the declared ones
+    assert space.violations(done, HD64, get_arch("sm_80")) == ["missing parameters ['STAGES']"]
+
+
+def test_the_shipped_sweeps_complete_to_points_todays_spaces_admit() -> None:
+    """tests/data's sweeps were taken before TILE_ORDER and SCHEDULER: filled with their
+    legacy values, every point they hold is a point of today's spaces."""
+    from evoengine.search.replay import load_record
+
+    spaces = {s.family: s for s in default_spaces()}
+    sweeps = sorted((Path(__file__).parent / "data").glob("sweep-*.json.gz"))
+    assert sweeps
+    for path in sweeps:
+        record = load_record(path)
+        assert record.families["wgmma"]["parameters"] == list(WGMMA_BEFORE)
+        problem, arch = record.workload.problem(), get_arch(record.arch)
+        for p in record.points:
+            space = spaces[p.family]
+            done = space.complete(p.params)
+            assert list(done) == list(space.parameters)
+            assert space.violations(done, problem, arch) == [], (path.name, p.params)
+
+
 # Regression: membership used ==, so 64.0 and True passed for 64 and 1 and rendered as
 # "64.0" / "True" in C++.
 @pytest.mark.parametrize(("override", "message"), [({"BLOCK_M": 64.0}, "BLOCK_M=64.0 not in"),
@@ -362,6 +426,10 @@ def test_tiny_space_loads(tmp_path: Path) -> None:
     assert space.parameters == {"BLOCK_M": (32, 64)}
     assert space.admitted({"HEAD_DIM": 64}, get_arch("sm_80")) == [{"BLOCK_M": 32},
                                                                    {"BLOCK_M": 64}]
+    assert space.legacy == {} and space.complete({}) == {}
+    later = SearchSpace.load(write(tmp_path, TINY + "\n[legacy]\nBLOCK_M = 64\n"))
+    assert later.legacy == {"BLOCK_M": 64} and later.complete({}) == {"BLOCK_M": 64}
+    assert later != space  # the legacy values are part of the space
 
 
 BAD_FILES = {
@@ -404,6 +472,14 @@ BAD_FILES = {
     "second constraint bad": (TINY + '\n[[constraints]]\nrule = "1 == 1"\n',
                               "constraints[1] must have exactly 'rule' and 'why'"),
     "toml syntax error": (edit('family = "mma"', 'family = "mma'), "not valid TOML"),
+    "legacy not a table": (edit('description = "tiny"\n', 'description = "tiny"\nlegacy = 1\n'),
+                           "[legacy] must be a table"),
+    "legacy of no parameter": (TINY + "\n[legacy]\nBLOCK_N = 64\n",
+                               "legacy.BLOCK_N is not a parameter"),
+    "legacy out of domain": (TINY + "\n[legacy]\nBLOCK_M = 128\n",
+                             "legacy.BLOCK_M = 128 is not in its domain (32, 64)"),
+    "legacy of another type": (TINY + '\n[legacy]\nBLOCK_M = "64"\n',
+                               "legacy.BLOCK_M = '64' is not in its domain"),
 }
 
 
@@ -449,8 +525,8 @@ def test_from_dict_without_path_says_search_space() -> None:
                      id="derived-int"),
         pytest.param('[[constraints]]\nrule = "BYTES <= SMEM_LIMIT"\nwhy = "fits"\n', "",
                      "constraints", id="constraints-int"),
-        pytest.param('family = "mma"', 'family = "mma"\nkind = "sideways"', "kind",
-                     id="kind-unknown"),
+        pytest.param('family = "mma"', 'family = "mma"\nkind = 5', "kind",
+                     id="kind-not-a-name"),
         pytest.param('why = "fits"', "why = 3", "why", id="why-not-string"),
         pytest.param('why = "fits"', 'why = "  "', "why", id="why-blank"),
     ],
@@ -482,22 +558,22 @@ def test_derived_may_not_shadow_known_names(tmp_path: Path, name: str) -> None:
 
 def test_backward_spaces_stay_out_of_the_forward_default() -> None:
     everything = default_spaces(None)
-    backward = [s for s in everything if s.kind == "backward"]
+    backward = [s for s in everything if s.kind == "bwd"]
     assert [s.family for s in backward] == ["mma_bwd"]
-    assert all(s.kind == "forward" for s in default_spaces())
+    assert all(s.kind == "fwd" for s in default_spaces())
     assert {s.family for s in default_spaces()} | {"mma_bwd"} == {s.family for s in everything}
-    assert [s.family for s in default_spaces("backward")] == ["mma_bwd"]
+    assert [s.family for s in default_spaces("bwd")] == ["mma_bwd"]
 
 
 def test_kind_defaults_to_forward(tmp_path: Path) -> None:
-    assert SearchSpace.load(write(tmp_path, edit("", ""))).kind == "forward"
-    text = edit('family = "mma"', 'family = "mma"\nkind = "backward"')
-    assert SearchSpace.load(write(tmp_path, text)).kind == "backward"
+    assert SearchSpace.load(write(tmp_path, edit("", ""))).kind == "fwd"
+    text = edit('family = "mma"', 'family = "mma"\nkind = "bwd"')
+    assert SearchSpace.load(write(tmp_path, text)).kind == "bwd"
 
 
 def test_mma_bwd_space_declares_the_issue_parameters() -> None:
     sp = shipped("mma_bwd")
-    assert sp.kind == "backward" and {"sm_80", "sm_86", "sm_89", "sm_90a"} == set(sp.archs)
+    assert sp.kind == "bwd" and {"sm_80", "sm_86", "sm_89", "sm_90a"} == set(sp.archs)
     assert list(sp.problem) == ["HEAD_DIM", "DTYPE", "CAUSAL"]
     assert {"BLOCK_M", "BLOCK_N", "NUM_WARPS", "STAGES", "SWIZZLE"} <= set(sp.parameters)
     assert sp.parameters["DQ_ACCUM"] == ("atomic", "separate")

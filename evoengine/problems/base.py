@@ -90,6 +90,12 @@ class Problem(abc.ABC):
     def check(self, kernel: Any, workload: Any, *, device: str = "cuda") -> Verdict:
         """The criterion of ``evoengine.validate`` for this kind, on every shape it plans."""
 
+    def graph_for(self, workload: Any) -> bool:
+        """Whether every contender of ``workload`` is timed by CUDA-graph replay."""
+        from evoengine import measure
+
+        return measure.graph_for(workload)
+
     @abc.abstractmethod
     def inputs(self, workload: Any, device: str | int = "cuda") -> Sequence[tuple[Any, ...]]:
         """Input sets for timing, enough of them to rotate past L2."""

@@ -65,7 +65,10 @@ class Domain:
         return list(self._identities.items())
 
     def identity(self, family: str, params: Mapping[str, Any]) -> str:
+        """The identity of the point ``params`` names, a stored point that lacks parameters
+        added since it was measured included (``SearchSpace.complete``)."""
         space = self.spaces[family]
+        params = space.complete(params)
         return make_identity(family, self.problem, {k: params[k] for k in space.parameters})
 
     def point(self, identity: str) -> Point | None:

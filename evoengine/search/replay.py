@@ -259,7 +259,8 @@ def record_from_store(store: Any, arch: str, workload_key: str, *,
     points with ``compiled: false``. The runs must share one device; the date is the first
     run's start, the commit and versions the last run's. SDPA times come from the last final
     re-time that holds them. Each family's search space (``spaces``, default the project's)
-    is kept in the record as TOML; it must declare the measured parameters.
+    is kept in the record as TOML; it must declare the measured parameters, and a point
+    stored before a parameter was added is recorded with its legacy value.
     """
     arch = get_arch(arch).name
     space_of = {sp.family: sp for sp in (default_spaces() if spaces is None else spaces)}
@@ -291,20 +292,23 @@ def record_from_store(store: Any, arch: str, workload_key: str, *,
             if phase != "search":
                 continue
             c = candidates[m.identity]
+            # A point stored before a parameter was added takes its legacy value (space.py).
+            space = space_of.get(c.family)
+            params = space.complete(c.params) if space is not None else dict(c.params)
             info = families.setdefault(c.family, {"template_hash": c.template_hash,
-                                                  "parameters": list(c.params)})
+                                                  "parameters": list(params)})
             if info["template_hash"] != c.template_hash:
                 raise RecordError(f"{c.family} was measured with two template versions "
                                   f"({info['template_hash']}, {c.template_hash}); pick runs of "
                                   "one version with run_ids")
-            key = point_key(c.family, c.params)
+            key = point_key(c.family, params)
             if key in points:
                 continue
             report = c.compile_reports.get(arch)
             compiled = report.ok if report is not None else True
             ok = bool(m.ok and m.median_us is not None)
             points[key] = RecordedPoint(
-                family=c.family, params=dict(c.params), ok=ok,
+                family=c.family, params=params, ok=ok,
                 median_us=m.median_us if ok else None, spread_us=m.spread_us if ok else None,
                 reason=None if ok else (m.reason or "failed"), compiled=compiled,
                 registers=report.registers if report else None,
