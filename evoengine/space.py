@@ -36,7 +36,7 @@ from pathlib import Path
 from evoengine import paths
 from evoengine.arch import Arch, get_arch
 from evoengine.expr import Expr, ExprError
-from evoengine.problems.base import DEFAULT_KIND
+from evoengine.workload import DEFAULT_KIND
 
 _ARCH_NAMES = frozenset(("SM", "SMEM_LIMIT", "MAX_THREADS", "REGS_PER_SM"))
 _FAMILY_NAME = re.compile(r"[a-z][a-z0-9_]*")

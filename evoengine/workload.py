@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
 DTYPES = ("fp16", "bf16")
+# The problem kind (evoengine.problems) of whatever predates kinds: the forward's.
+DEFAULT_KIND = "fwd"
 _KEY = re.compile(r"b(\d+)-h(\d+)-kv(\d+)-sq(\d+)-sk(\d+)-d(\d+)-(causal|full)-(\w+)")
 
 
@@ -17,7 +19,7 @@ class Workload:
     The forward's workload (``evoengine.problems.forward``); its keys predate problem kinds
     and carry no kind prefix."""
 
-    kind: ClassVar[str] = "fwd"
+    kind: ClassVar[str] = DEFAULT_KIND
 
     batch: int
     heads: int

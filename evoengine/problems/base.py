@@ -31,13 +31,15 @@ import argparse
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from evoengine.workload import DEFAULT_KIND
+
 if TYPE_CHECKING:
     from evoengine.compile import CompileResult
     from evoengine.measure import Timing
     from evoengine.render import Candidate
     from evoengine.validate import Verdict
 
-DEFAULT_KIND = "fwd"
+__all__ = ["DEFAULT_KIND", "Problem", "TimedCall", "Workload"]
 
 
 class Workload(Protocol):
