@@ -234,7 +234,8 @@ def test_one_wrapper_when_block_n_equals_head_dim() -> None:
     src = render(make_candidate(space(), {**BASE, "BLOCK_N": 64}, {**HD64, "DTYPE": "bf16"},
                                 SM90))
     assert src.count("struct mma_async<64> {") == 1
-    assert "m64n64k16.f32.bf16.bf16" in src and ".f16.f16" not in src
+    # k16.f32.f16.f16: an fp16 wgmma (common/primitives.cuh's mma.sync is k16.row.col...).
+    assert "m64n64k16.f32.bf16.bf16" in src and "k16.f32.f16.f16" not in src
 
 
 # ---- compiled code ----------------------------------------------------------------------------
