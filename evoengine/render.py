@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import jinja2
 
@@ -21,9 +23,31 @@ from evoengine.space import SearchSpace
 KERNEL_NAME = "attn_fwd"
 
 
+# A template statement that reads another template file: include, import, from ... import.
+_USES = re.compile(r'/\*%-?\s*(?:include|import|from)\s+"([^"]+)"')
+
+
+def _borrowed(folder: Path, root: Path) -> list[Path]:
+    """Files of other families' folders that the templates under ``folder`` include or
+    import (and those they use in turn), so that a family building on another's headers
+    (wgmma_bwd on wgmma's) changes its hash when they change."""
+    seen: dict[Path, None] = {}
+    todo = [f for f in sorted(folder.rglob("*")) if f.is_file()]
+    while todo:
+        text = todo.pop().read_text(errors="replace")
+        for name in _USES.findall(text):
+            f = root / name
+            own = f.is_relative_to(folder) or f.is_relative_to(root / "common")
+            if f.is_file() and not own and f not in seen:
+                seen[f] = None
+                todo.append(f)
+    return sorted(seen)
+
+
 @functools.cache
 def template_hash(family: str) -> str:
-    """Content hash of a family's template folder and the shared includes it uses."""
+    """Content hash of a family's template folder, the shared includes (templates/common) and
+    any file of another family's folder that it uses."""
     h = hashlib.sha256()
     own = paths.family_dir(family)
     if own is None:
@@ -34,6 +58,9 @@ def template_hash(family: str) -> str:
             if f.is_file():
                 h.update(f.relative_to(folder.parent).as_posix().encode() + b"\0")
                 h.update(f.read_bytes() + b"\0")
+    for f in _borrowed(own, paths.TEMPLATES):
+        h.update(f.relative_to(paths.TEMPLATES).as_posix().encode() + b"\0")
+        h.update(f.read_bytes() + b"\0")
     return h.hexdigest()[:12]
 
 

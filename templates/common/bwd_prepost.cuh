@@ -1,0 +1,107 @@
+// The first and last kernels of a backward pass, shared by the backward families (one source,
+// so that every family's cubin launches them the same way: evoengine/backward.py), and the
+// query blocks a key block visits. Included after the family's namespace cfg, which must
+// define HEAD_DIM, IS_BF16, CAUSAL, BLOCK_M (query rows per step: the padding of the per-row
+// values) and BLOCK_N (keys per main-kernel block: the parts of dQ in deterministic mode).
+//   attn_bwd_pre:  delta = rowsum(dO * O) and the log-sum-exp in the log2 domain, per query row,
+//                  padded to whole query blocks; zeroes the fp32 dQ accumulator when atomics
+//                  build it.
+//   attn_bwd_post: dQ fp32 -> fp16/bf16, scaled (summing the per-key-block parts if stored).
+
+namespace cfg {
+// The other two kernels: 8 lanes per row in the first, one 8-value chunk per thread in the last.
+constexpr int PRE_THREADS = 256;
+constexpr int PRE_ROWS = PRE_THREADS / 8;
+constexpr int POST_THREADS = 256;
+constexpr float LOG2E = 1.4426950408889634f;
+}  // namespace cfg
+
+// The first query block that key block `n_block` is seen by: causal query i sees keys
+// [0, i + diag], so the rows before n0 - diag see none of it. The main kernel visits query
+// blocks from here on and the last kernel sums the stored dQ parts of the same ones.
+__device__ __forceinline__ int first_query_block(int n_block, int diag) {
+  if constexpr (!cfg::CAUSAL) return 0;
+  return max(0, n_block * cfg::BLOCK_N - diag) / cfg::BLOCK_M;
+}
+
+extern "C" __global__ void __launch_bounds__(cfg::PRE_THREADS)
+attn_bwd_pre(const elem_t* __restrict__ O, const elem_t* __restrict__ dO,
+             const float* __restrict__ LSE, float* __restrict__ LSE2, float* __restrict__ DELTA,
+             float* __restrict__ dQacc, int seq_q, int heads, int seq_q_pad, long long o_sb,
+             long long o_sh, long long o_ss, long long do_sb, long long do_sh, long long do_ss) {
+  using namespace cfg;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int row = blockIdx.x * PRE_ROWS + threadIdx.x / 8, sub = threadIdx.x % 8;
+  const long long bh = (long long)batch * heads + head;
+  const bool real = row < seq_q;
+  float acc = 0.f;
+  if (real) {
+    const elem_t* o = O + batch * o_sb + head * o_sh + row * o_ss;
+    const elem_t* g = dO + batch * do_sb + head * do_sh + row * do_ss;
+    for (int c = sub; c < HEAD_DIM / 8; c += 8) {
+      const uint4 a = *reinterpret_cast<const uint4*>(o + c * 8);
+      const uint4 b = *reinterpret_cast<const uint4*>(g + c * 8);
+      const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float a0, a1, b0, b1;
+        unpack2<IS_BF16>(av[i], a0, a1);
+        unpack2<IS_BF16>(bv[i], b0, b1);
+        acc = fmaf(a0, b0, fmaf(a1, b1, acc));
+      }
+    }
+  }
+  // The 8 lanes of a row are 8 aligned lanes of one warp; every lane takes part.
+  acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+  acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+  acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+  if (row < seq_q_pad && sub == 0) {
+    const float lse = real ? LSE[bh * seq_q + row] : neg_inf();
+    // A row that sees no key (or a padding row) gets +inf, so that its P = exp2(s - inf) is 0.
+    LSE2[bh * seq_q_pad + row] = lse == neg_inf() ? __int_as_float(0x7f800000) : lse * LOG2E;
+    DELTA[bh * seq_q_pad + row] = acc;
+  }
+  if (dQacc != nullptr && real) {
+    float* z = dQacc + (bh * seq_q + row) * HEAD_DIM;
+    for (int c = sub; c < HEAD_DIM / 8; c += 8) {
+      reinterpret_cast<float4*>(z + c * 8)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+      reinterpret_cast<float4*>(z + c * 8)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(cfg::POST_THREADS)
+attn_bwd_post(const float* __restrict__ dQacc, const float* __restrict__ dQpart,
+              elem_t* __restrict__ dQ, int seq_q, int seq_k, int heads, long long dq_sb,
+              long long dq_sh, long long dq_ss, float scale) {
+  using namespace cfg;
+  constexpr int CHUNKS = HEAD_DIM / 8;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int c = blockIdx.x * POST_THREADS + threadIdx.x;
+  if (c >= seq_q * CHUNKS) return;
+  const int row = c / CHUNKS, col = (c % CHUNKS) * 8;
+  const long long bh = (long long)batch * heads + head;
+  float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  auto add = [&](const float* src) {
+    const float4 lo = reinterpret_cast<const float4*>(src)[0];
+    const float4 hi = reinterpret_cast<const float4*>(src)[1];
+    x[0] += lo.x, x[1] += lo.y, x[2] += lo.z, x[3] += lo.w;
+    x[4] += hi.x, x[5] += hi.y, x[6] += hi.z, x[7] += hi.w;
+  };
+  const long long at = (bh * seq_q + row) * HEAD_DIM + col;
+  if (dQpart == nullptr) {
+    add(dQacc + at);
+  } else {
+    // The parts of the key blocks that visited this row's query block, in key order.
+    const int n_blocks = (seq_k + BLOCK_N - 1) / BLOCK_N, m_block = row / BLOCK_M;
+    const long long plane = (long long)gridDim.z * heads * seq_q * HEAD_DIM;
+    for (int n = 0; n < n_blocks && first_query_block(n, seq_k - seq_q) <= m_block; ++n)
+      add(dQpart + n * plane + at);
+  }
+  uint4 out;
+  out.x = pack2<IS_BF16>(x[0] * scale, x[1] * scale);
+  out.y = pack2<IS_BF16>(x[2] * scale, x[3] * scale);
+  out.z = pack2<IS_BF16>(x[4] * scale, x[5] * scale);
+  out.w = pack2<IS_BF16>(x[6] * scale, x[7] * scale);
+  *reinterpret_cast<uint4*>(dQ + batch * dq_sb + head * dq_sh + row * dq_ss + col) = out;
+}
