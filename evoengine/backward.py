@@ -1,7 +1,9 @@
-"""The attention backward pass: dQ, dK, dV from a compiled backward candidate (``mma_bwd``).
+"""The attention backward pass: dQ, dK, dV from a compiled backward candidate (``mma_bwd`` on
+mma.sync, sm_80+; ``wgmma_bwd`` on wgmma, sm_90a).
 
-A backward cubin holds three kernels (``templates/mma_bwd/kernel.cu.j2``), launched in order
-on torch's current stream:
+A backward cubin holds three kernels, launched in order on torch's current stream; the first
+and last are one source for every backward family (``templates/common/bwd_prepost.cuh``), and
+the main one (``templates/<family>/kernel.cu.j2``) has one signature and grid in every family:
 
 - ``attn_bwd_pre(O, dO, LSE, LSE2, DELTA, dQacc, seq_q, heads, seq_q_pad, o_sb, o_sh, o_ss,
   do_sb, do_sh, do_ss)`` on (ceil(seq_q_pad / 32), heads, batch) blocks of 256 threads: per
@@ -9,7 +11,8 @@ on torch's current stream:
   blocks (seq_q_pad); zeroes the fp32 dQ accumulator (dQacc, null when dQ is stored in parts);
 - ``attn_bwd(Q, K, V, dO, LSE2, DELTA, dQacc, dQpart, dK, dV, seq_q, seq_k, heads, kv_group,
   seq_q_pad, <q, k, v, dO, dK, dV strides: batch, head, seq each>, scale, scale_log2)`` on
-  (ceil(seq_k / block_n), kv_heads, batch) blocks with the candidate's shared memory: dK and dV
+  (ceil(seq_k / block_n), kv_heads, batch) blocks of the candidate's threads and shared memory
+  (wgmma_bwd: one 128-thread warpgroup per 64 keys, no producer, no tensor maps): dK and dV
   (summed over each key/value head's query heads), and dQ added into dQacc with atomics, or,
   when dQpart is given, stored per key block into dQpart [key blocks, B, H, Sq, D] (fp32);
 - ``attn_bwd_post(dQacc, dQpart, dQ, seq_q, seq_k, heads, dq_sb, dq_sh, dq_ss, scale)`` on
@@ -44,7 +47,7 @@ from evoengine.render import Candidate
 
 __all__ = ["BACKWARD_FAMILIES", "ENTRIES", "BackwardKernel"]
 
-BACKWARD_FAMILIES = ("mma_bwd",)
+BACKWARD_FAMILIES = ("mma_bwd", "wgmma_bwd")
 ENTRIES = ("attn_bwd_pre", "attn_bwd", "attn_bwd_post")
 # The launch shapes of the first and last kernels, as the template's cfg::PRE_THREADS,
 # PRE_ROWS and POST_THREADS (tests/test_backward.py reads them from a rendered source).

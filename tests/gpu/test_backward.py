@@ -1,4 +1,5 @@
-"""The mma_bwd backward family against the float64 reference gradients, on a real GPU.
+"""The backward families (mma_bwd, and wgmma_bwd on Hopper) against the float64 reference
+gradients, on a real GPU.
 
 Fresh random inputs per check, NaN-poisoned dQ/dK/dV, lengths that are no multiple of any
 tile (and 1), Sq != Sk both ways (causal aligned bottom-right), GQA and MQA, strided views of
@@ -20,20 +21,32 @@ from evoengine.render import Candidate, make_candidate
 from evoengine.runtime import Kernel, gpu_arch
 from evoengine.space import SearchSpace
 
-# Hand-picked points: one or two m16 tiles of dQ rows per warp, 2 to 8 warps, every ring
-# depth and swizzle, K/V fragments in registers or shared memory, both dQ accumulations.
-POINTS = [
-    dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="atomic",
-         KV_IN_REGS=False),
-    dict(BLOCK_M=32, BLOCK_N=32, NUM_WARPS=2, STAGES=1, SWIZZLE="pad", DQ_ACCUM="separate",
-         KV_IN_REGS=True),
-    dict(BLOCK_M=32, BLOCK_N=128, NUM_WARPS=8, STAGES=3, SWIZZLE="none", DQ_ACCUM="atomic",
-         KV_IN_REGS=False),
-    dict(BLOCK_M=32, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="separate",
-         KV_IN_REGS=False),
-    dict(BLOCK_M=64, BLOCK_N=128, NUM_WARPS=8, STAGES=2, SWIZZLE="pad", DQ_ACCUM="atomic",
-         KV_IN_REGS=True),
-]
+# Hand-picked points per family.
+POINTS = {
+    # mma_bwd: one or two m16 tiles of dQ rows per warp, 2 to 8 warps, every ring depth and
+    # swizzle, K/V fragments in registers or shared memory, both dQ accumulations.
+    "mma_bwd": [
+        dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="atomic",
+             KV_IN_REGS=False),
+        dict(BLOCK_M=32, BLOCK_N=32, NUM_WARPS=2, STAGES=1, SWIZZLE="pad", DQ_ACCUM="separate",
+             KV_IN_REGS=True),
+        dict(BLOCK_M=32, BLOCK_N=128, NUM_WARPS=8, STAGES=3, SWIZZLE="none", DQ_ACCUM="atomic",
+             KV_IN_REGS=False),
+        dict(BLOCK_M=32, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="separate",
+             KV_IN_REGS=False),
+        dict(BLOCK_M=64, BLOCK_N=128, NUM_WARPS=8, STAGES=2, SWIZZLE="pad", DQ_ACCUM="atomic",
+             KV_IN_REGS=True),
+    ],
+    # wgmma_bwd: one and two consumer warpgroups; dQ split by head dim (p0), by query rows
+    # (p2) and whole (p1, p3, two m64 tiles); every swizzle and ring depth, both dQ paths.
+    "wgmma_bwd": [
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic"),
+        dict(BLOCK_N=64, BLOCK_M=64, STAGES=1, SWIZZLE=128, DQ_ACCUM="separate"),
+        dict(BLOCK_N=128, BLOCK_M=128, STAGES=3, SWIZZLE=128, DQ_ACCUM="separate"),
+        dict(BLOCK_N=64, BLOCK_M=128, STAGES=2, SWIZZLE=32, DQ_ACCUM="atomic"),
+    ],
+}
+FAMILIES = tuple(POINTS)
 PROBLEMS = [dict(HEAD_DIM=d, DTYPE=t, CAUSAL=c) for d in (64, 128) for t in ("fp16", "bf16")
             for c in (False, True)]
 # (batch, heads, kv_heads, seq_q, seq_k, layout)
@@ -48,20 +61,39 @@ SHAPES = [
 ]
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
+def _problem(d: int, t: str, c: bool) -> dict:
+    return dict(HEAD_DIM=d, DTYPE=t, CAUSAL=c)
+
+
+# (family, point index, problem): every mma_bwd point on every problem; wgmma_bwd's first
+# point on every problem and the others on a few each (the test's time), so that each head
+# dim, dtype and mask meets one and two warpgroups and both dQ paths.
+CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PROBLEMS] + [
+    *(("wgmma_bwd", 0, pr) for pr in PROBLEMS),
+    ("wgmma_bwd", 1, _problem(128, "fp16", True)), ("wgmma_bwd", 1, _problem(128, "bf16", False)),
+    ("wgmma_bwd", 1, _problem(64, "bf16", False)), ("wgmma_bwd", 1, _problem(64, "fp16", True)),
+    ("wgmma_bwd", 2, _problem(64, "bf16", True)), ("wgmma_bwd", 2, _problem(64, "fp16", False)),
+    ("wgmma_bwd", 3, _problem(64, "fp16", True)), ("wgmma_bwd", 3, _problem(64, "bf16", False)),
+]
+
 _kernels: dict[str, BackwardKernel] = {}
 
 
 @functools.cache
-def space() -> SearchSpace:
-    return SearchSpace.load(paths.SPACES / "mma_bwd.toml")
+def space(family: str) -> SearchSpace:
+    return SearchSpace.load(paths.SPACES / f"{family}.toml")
 
 
-def admitted_cases() -> list[tuple[int, dict]]:
-    """(point index, problem) pairs the space admits on this GPU (all of them on sm_80 and
-    sm_90a; the kernel's own shared memory decides elsewhere)."""
+def skip_unless_targeted(family: str) -> None:
+    if not space(family).supports(gpu_arch()):
+        pytest.skip(f"{family} does not target {gpu_arch().name}")
+
+
+def admitted(family: str, point: dict, problem: dict) -> bool:
+    """Whether the space admits the point on this GPU (every case on sm_90a; elsewhere the
+    kernel's own shared memory decides, and wgmma_bwd targets only sm_90a)."""
     arch = gpu_arch()
-    return [(i, pr) for i, p in enumerate(POINTS) for pr in PROBLEMS
-            if not space().violations(p, pr, arch)]
+    return space(family).supports(arch) and not space(family).violations(point, problem, arch)
 
 
 def build(cands: list[Candidate]) -> list[BackwardKernel]:
@@ -77,16 +109,17 @@ def build(cands: list[Candidate]) -> list[BackwardKernel]:
     return [_kernels[c.identity] for c in cands]
 
 
-def kernel_for(point: dict, problem: dict) -> BackwardKernel:
-    (kernel,) = build([make_candidate(space(), point, problem, gpu_arch())])
+def kernel_for(family: str, point: dict, problem: dict) -> BackwardKernel:
+    (kernel,) = build([make_candidate(space(family), point, problem, gpu_arch())])
     return kernel
 
 
 @pytest.fixture(scope="module", autouse=True)
 def prebuild() -> None:
-    if not space().supports(gpu_arch()):
-        pytest.skip(f"mma_bwd does not target {gpu_arch().name}")
-    build([make_candidate(space(), POINTS[i], pr, gpu_arch()) for i, pr in admitted_cases()])
+    if not any(space(f).supports(gpu_arch()) for f in FAMILIES):
+        pytest.skip(f"no backward family targets {gpu_arch().name}")
+    build([make_candidate(space(f), POINTS[f][i], pr, gpu_arch()) for f, i, pr in CASES
+           if admitted(f, POINTS[f][i], pr)])
 
 
 def run_check(kernel: BackwardKernel, shape: tuple, scale: float | None = None,
@@ -98,37 +131,41 @@ def run_check(kernel: BackwardKernel, shape: tuple, scale: float | None = None,
         causal=kernel.causal, dtype=TORCH_DTYPE[kernel.dtype], scale=scale, layout=layout)
 
 
-def case_id(case: tuple[int, dict]) -> str:
-    i, p = case
-    return "p{}-d{HEAD_DIM}-{DTYPE}-{CAUSAL}".format(i, **p)
+def case_id(case: tuple[str, int, dict]) -> str:
+    f, i, p = case
+    return "{}-p{}-d{HEAD_DIM}-{DTYPE}-{CAUSAL}".format(f, i, **p)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("case", [(i, p) for i in range(len(POINTS)) for p in PROBLEMS],
-                         ids=case_id)
-def test_matches_reference(case: tuple[int, dict], shape: tuple) -> None:
-    i, problem = case
-    if space().violations(POINTS[i], problem, gpu_arch()):
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_reference(case: tuple[str, int, dict], shape: tuple) -> None:
+    family, i, problem = case
+    skip_unless_targeted(family)
+    if not admitted(family, POINTS[family][i], problem):
         pytest.skip("not admitted here (registers or shared memory)")
-    kernel = kernel_for(POINTS[i], problem)
+    kernel = kernel_for(family, POINTS[family][i], problem)
     verdict = run_check(kernel, shape)
     assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_softmax_scale(causal: bool) -> None:
-    kernel = kernel_for(POINTS[0], dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=causal))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_softmax_scale(family: str, causal: bool) -> None:
+    skip_unless_targeted(family)
+    kernel = kernel_for(family, POINTS[family][0], _problem(64, "fp16", causal))
     for scale in (0.02, 0.5, -0.1, 0.0):
         verdict = run_check(kernel, (1, 4, 2, 130, 97, "bshd"), scale=scale)
         assert verdict.ok, f"scale {scale}: {verdict.reason}"
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_deterministic_launch_of_an_atomic_kernel_passes(dtype: str) -> None:
-    problem = dict(HEAD_DIM=128, DTYPE=dtype, CAUSAL=True)
-    point = next(p for p in POINTS if p["DQ_ACCUM"] == "atomic"
-                 and not space().violations(p, problem, gpu_arch()))
-    kernel = kernel_for(point, problem)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_deterministic_launch_of_an_atomic_kernel_passes(family: str, dtype: str) -> None:
+    skip_unless_targeted(family)
+    problem = _problem(128, dtype, True)
+    point = next(p for p in POINTS[family] if p["DQ_ACCUM"] == "atomic"
+                 and admitted(family, p, problem))
+    kernel = kernel_for(family, point, problem)
     for shape in ((2, 8, 2, 200, 333, "bshd"), (1, 6, 1, 300, 129, "bhsd")):
         verdict = run_check(kernel, shape, deterministic=True)
         assert verdict.ok, f"{shape}: {verdict.reason}"
@@ -146,9 +183,13 @@ def inputs(shape: tuple, dtype: torch.dtype, causal: bool, seed: int = 0) -> tup
     return q, k, v, out.to(dtype), lse.float().contiguous(), dout
 
 
-@pytest.mark.parametrize(("point", "deterministic"), [(0, True), (2, True), (3, False)])
-def test_deterministic_results_are_bit_identical(point: int, deterministic: bool) -> None:
-    kernel = kernel_for(POINTS[point], dict(HEAD_DIM=64, DTYPE="bf16", CAUSAL=True))
+@pytest.mark.parametrize(("family", "point", "deterministic"), [
+    ("mma_bwd", 0, True), ("mma_bwd", 2, True), ("mma_bwd", 3, False),
+    ("wgmma_bwd", 0, True), ("wgmma_bwd", 2, False)])
+def test_deterministic_results_are_bit_identical(family: str, point: int,
+                                                 deterministic: bool) -> None:
+    skip_unless_targeted(family)
+    kernel = kernel_for(family, POINTS[family][point], _problem(64, "bf16", True))
     args = inputs((2, 8, 2, 1000, 1100, "bhsd"), torch.bfloat16, causal=True)
     first = kernel(*args, causal=True, deterministic=deterministic)
     first = tuple(g.clone() for g in first)
@@ -158,15 +199,17 @@ def test_deterministic_results_are_bit_identical(point: int, deterministic: bool
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
 
 
-def test_gradients_of_the_forward_kernels_own_output() -> None:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradients_of_the_forward_kernels_own_output(family: str) -> None:
     """The backward takes the forward mma kernel's out and log-sum-exp as they are written
     (natural log, -inf on rows that see no key), and its gradients pass the criterion."""
+    skip_unless_targeted(family)
     fwd_space = SearchSpace.load(paths.SPACES / "mma.toml")
-    problem = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True)
+    problem = _problem(64, "fp16", True)
     fwd = Kernel.build(make_candidate(fwd_space, dict(
         BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True,
         LAZY_RESCALE=False, MIN_BLOCKS=1, PIPELINE="joint"), problem, gpu_arch()), gpu_arch())
-    bwd = kernel_for(POINTS[0], problem)
+    bwd = kernel_for(family, POINTS[family][0], problem)
     q, k, v, _, _, dout = inputs((1, 6, 2, 300, 129, "bhsd"), torch.float16, causal=True)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
     out = fwd(q, k, v, lse=lse)
@@ -181,10 +224,12 @@ def test_gradients_of_the_forward_kernels_own_output() -> None:
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_a_zero_output_gradient_gives_exactly_zero(deterministic: bool) -> None:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_zero_output_gradient_gives_exactly_zero(family: str, deterministic: bool) -> None:
     """Nothing but the products of the inputs reaches the outputs: no workspace left
     unzeroed, no part of dQ summed that no key block stored."""
-    kernel = kernel_for(POINTS[0], dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True))
+    skip_unless_targeted(family)
+    kernel = kernel_for(family, POINTS[family][0], _problem(64, "fp16", True))
     q, k, v, out, lse, dout = inputs((1, 2, 2, 333, 300, "bhsd"), torch.float16, causal=True)
     grads = kernel(q, k, v, out, lse, torch.zeros_like(dout), causal=True,
                    deterministic=deterministic)
