@@ -1,5 +1,6 @@
 """Tests of evoengine.backward that need no GPU: the mma_bwd family compiles for every target
-without spills, the launcher's parameter buffers match the kernels' signatures, and the input
+and wgmma_bwd for sm_90a without spills (wgmma's HGMMA in its SASS, where cuobjdump is found),
+the launcher's parameter buffers match both families' kernel signatures, and the input
 checks name what is wrong in one line.
 
 As in tests/test_runtime.py, CPU tensors wrapped in a subclass that reports ``is_cuda`` reach
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ import torch
 from evoengine import backward, paths
 from evoengine.arch import get_arch
 from evoengine.backward import BackwardKernel
-from evoengine.compile import CompileResult, compile_many
+from evoengine.compile import CompileResult, compile_many, cuobjdump_path
 from evoengine.render import make_candidate, render
 from evoengine.space import SearchSpace, spread
 
@@ -26,10 +29,12 @@ F16 = torch.float16
 POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="atomic",
              KV_IN_REGS=False)
 PROBLEM = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True)
+WGMMA_POINT = dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic")
+POINTS = {"mma_bwd": (POINT, "sm_80"), "wgmma_bwd": (WGMMA_POINT, "sm_90a")}
 
 
-def space() -> SearchSpace:
-    return SearchSpace.load(paths.SPACES / "mma_bwd.toml")
+def space(family: str = "mma_bwd") -> SearchSpace:
+    return SearchSpace.load(paths.SPACES / f"{family}.toml")
 
 
 # ---- the family compiles ----------------------------------------------------------------------
@@ -52,6 +57,62 @@ def test_spread_points_compile_without_spills(arch: str, cache: Path) -> None:
         assert r.spill_bytes == 0 and r.stack_bytes == 0, f"{c.identity} spills: {r}"
         for entry in backward.ENTRIES:
             assert f"Compiling entry function '{entry}'" in r.log
+
+
+CUOBJDUMP = cuobjdump_path()
+_OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", re.M)
+
+
+def sass_opcodes(cubin: bytes, entry: str) -> list[str]:
+    """The base opcodes of one kernel of a cubin (HGMMA, LDL, ...), in program order."""
+    assert CUOBJDUMP is not None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        done = subprocess.run([CUOBJDUMP, "-sass", "-fun", entry, f.name], capture_output=True,
+                              text=True, check=True)
+    return _OPCODE.findall(done.stdout)
+
+
+def test_wgmma_bwd_spread_points_compile_to_hgmma_without_spills(cache: Path) -> None:
+    """Every entry compiles with no spill, stack or serialised wgmma; where cuobjdump is found,
+    the main kernel issues every k-step of its five GEMMs on HGMMA (none on mma.sync), stores
+    dS with stmatrix and touches no local memory."""
+    target = get_arch("sm_90a")
+    points = spread([space("wgmma_bwd")], target, 6, seed=5)
+    assert len(points) == 6
+    cands = [make_candidate(sp, params, problem, target) for sp, problem, params in points]
+    for c, r in zip(cands, compile_many(cands, target, workers=2), strict=True):
+        assert r.ok, f"{c.identity}: {r.error}"
+        assert r.spill_bytes == 0 and r.stack_bytes == 0, f"{c.identity} spills: {r}"
+        assert "serialized" not in r.log, r.log
+        for entry in backward.ENTRIES:
+            assert f"Compiling entry function '{entry}'" in r.log
+        if CUOBJDUMP is None:
+            continue
+        ops = sass_opcodes(r.cubin or b"", "attn_bwd")
+        d, m, n = (int(c.problem["HEAD_DIM"]), int(c.params["BLOCK_M"]),  # type: ignore[call-overload]
+                   int(c.params["BLOCK_N"]))  # type: ignore[call-overload]
+        dq_steps = int(c.derived["DQ_MT"]) * n // 16  # type: ignore[call-overload]
+        assert ops.count("HGMMA") >= 2 * d // 16 + 2 * m // 16 + dq_steps, c.identity
+        assert "STSM" in ops and "HMMA" not in ops, c.identity
+        assert "LDL" not in ops and "STL" not in ops, c.identity
+
+
+def test_wgmma_bwd_space_targets_sm90a_and_says_why() -> None:
+    sp = space("wgmma_bwd")
+    assert sp.kind == "bwd" and sp.archs == ("sm_90a",)
+    assert list(sp.problem) == ["HEAD_DIM", "DTYPE", "CAUSAL"]
+    assert sp.parameters["DQ_ACCUM"] == ("atomic", "separate")
+    assert all(c.why for c in sp.constraints)
+    target = get_arch("sm_90a")
+    for problem in sp.problems():
+        assert sp.admitted(problem, target), problem
+    d128 = dict(HEAD_DIM=128, DTYPE="bf16", CAUSAL=False)
+    big = sp.violations({**WGMMA_POINT, "BLOCK_M": 128}, d128, target)
+    assert any("the kernel spills" in b for b in big)
+    split = sp.violations({**WGMMA_POINT, "SWIZZLE": 128}, PROBLEM, target)  # dQ: 32 columns
+    assert any("start on a panel of K" in b for b in split)
 
 
 def test_a_rejected_point_says_why() -> None:
@@ -80,8 +141,10 @@ def signature(source: str, entry: str) -> str:
     return codes
 
 
-def test_parameter_buffers_match_the_kernel_signatures() -> None:
-    src = render(make_candidate(space(), POINT, PROBLEM, get_arch("sm_80")))
+@pytest.mark.parametrize("family", backward.BACKWARD_FAMILIES)
+def test_parameter_buffers_match_the_kernel_signatures(family: str) -> None:
+    point, arch = POINTS[family]
+    src = render(make_candidate(space(family), point, PROBLEM, get_arch(arch)))
     packs = (backward._PRE, backward._MAIN, backward._POST)
     for entry, pack in zip(backward.ENTRIES, packs, strict=True):
         codes = signature(src, entry)
@@ -91,12 +154,28 @@ def test_parameter_buffers_match_the_kernel_signatures() -> None:
             assert off % {"Q": 8, "q": 8, "i": 4, "f": 4}[code] == 0
 
 
-def test_launch_shapes_match_the_template() -> None:
-    src = render(make_candidate(space(), POINT, PROBLEM, get_arch("sm_80")))
+@pytest.mark.parametrize("family", backward.BACKWARD_FAMILIES)
+def test_launch_shapes_match_the_template(family: str) -> None:
+    point, arch = POINTS[family]
+    src = render(make_candidate(space(family), point, PROBLEM, get_arch(arch)))
     for name in ("PRE_THREADS", "POST_THREADS"):
         assert f"constexpr int {name} = {getattr(backward, name)};" in src
     assert "constexpr int PRE_ROWS = PRE_THREADS / 8;" in src
     assert backward.PRE_ROWS == backward.PRE_THREADS // 8
+
+
+def test_families_share_the_first_and_last_kernels() -> None:
+    """One source (templates/common/bwd_prepost.cuh) for attn_bwd_pre and attn_bwd_post in
+    every backward family, so the launcher runs them alike."""
+    def kernel_text(src: str, entry: str) -> str:
+        start = src.index(f"{entry}(")
+        return src[start:src.index("\n}\n", start)]
+
+    sources = [render(make_candidate(space(f), POINTS[f][0], PROBLEM, get_arch(POINTS[f][1])))
+               for f in backward.BACKWARD_FAMILIES]
+    for entry in ("attn_bwd_pre", "attn_bwd_post"):
+        texts = {kernel_text(src, entry) for src in sources}
+        assert len(texts) == 1, entry
 
 
 # ---- input checks ---------------------------------------------------------------------------

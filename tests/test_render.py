@@ -175,6 +175,19 @@ def test_template_hash_sees_a_new_file(tmp_templates: Path) -> None:
     assert template_hash("mma") != before
 
 
+def test_template_hash_covers_files_borrowed_from_another_family(tmp_templates: Path) -> None:
+    """wgmma_bwd includes wgmma's hopper.cuh and imports its mma_async macros: a change to
+    either changes both families' hashes, and none of a family that borrows nothing."""
+    for borrowed in ("hopper.cuh", "mma_async.cuh.j2"):
+        before = {f: template_hash(f) for f in ("wgmma_bwd", "wgmma", "mma_bwd")}
+        change_one_byte(tmp_templates / "wgmma" / borrowed)
+        clear_caches()
+        after = {f: template_hash(f) for f in ("wgmma_bwd", "wgmma", "mma_bwd")}
+        assert after["wgmma_bwd"] != before["wgmma_bwd"], borrowed
+        assert after["wgmma"] != before["wgmma"], borrowed
+        assert after["mma_bwd"] == before["mma_bwd"], borrowed
+
+
 def test_template_hash_is_cached_until_cleared(tmp_templates: Path) -> None:
     before = template_hash("mma")
     change_one_byte(tmp_templates / "mma" / "kernel.cu.j2")

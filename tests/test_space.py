@@ -559,10 +559,11 @@ def test_derived_may_not_shadow_known_names(tmp_path: Path, name: str) -> None:
 def test_backward_spaces_stay_out_of_the_forward_default() -> None:
     everything = default_spaces(None)
     backward = [s for s in everything if s.kind == "bwd"]
-    assert [s.family for s in backward] == ["mma_bwd"]
+    assert [s.family for s in backward] == ["mma_bwd", "wgmma_bwd"]
     assert all(s.kind == "fwd" for s in default_spaces())
-    assert {s.family for s in default_spaces()} | {"mma_bwd"} == {s.family for s in everything}
-    assert [s.family for s in default_spaces("bwd")] == ["mma_bwd"]
+    assert {s.family for s in default_spaces()} | {"mma_bwd", "wgmma_bwd"} == \
+        {s.family for s in everything}
+    assert [s.family for s in default_spaces("bwd")] == ["mma_bwd", "wgmma_bwd"]
 
 
 def test_kind_defaults_to_forward(tmp_path: Path) -> None:
