@@ -308,7 +308,9 @@ def test_resource_report_covers_every_kernel_of_a_cubin() -> None:
     regs = [int(n) for n in re.findall(r"Used (\d+) registers", r.log)]
     spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes "
                         r"spill loads", r.log)
-    assert len(regs) == len(spills) == 3 and regs[0] != max(regs)  # the first is not the largest
+    # Not every kernel is the largest (ptxas logs them in reverse source order: the main
+    # kernel, after the shared pre/post include, comes first and the smallest last).
+    assert len(regs) == len(spills) == 3 and regs[-1] != max(regs)
     assert r.registers == max(regs)
     assert r.stack_bytes == max(int(s[0]) for s in spills)
     assert r.spill_stores == sum(int(s[1]) for s in spills)
