@@ -12,9 +12,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
-
 from evoengine import paths
+from evoengine._version import __version__
 from evoengine.arch import ARCHS, Arch, get_arch
 from evoengine.compile import CompileResult, compile_candidate, compile_many
 from evoengine.render import Candidate, make_candidate

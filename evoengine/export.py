@@ -21,7 +21,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from evoengine import __version__, paths
+from evoengine import paths
 from evoengine._standalone import (
     Entry,
     TunedAttention,
@@ -31,6 +31,7 @@ from evoengine._standalone import (
     pack_cubin,
     sha256,
 )
+from evoengine._version import __version__
 from evoengine.arch import Arch, get_arch
 from evoengine.compile import LAUNCHER, compile_many, compile_source, nvrtc_version
 from evoengine.provenance import git_commit
