@@ -9,9 +9,10 @@ candidates are: the best ``--records N`` valid points of every recorded sweep in
 seeds are), plus the points a ``--points`` file lists for that workload. A parameter the point
 lacks (one added to the space after the sweep) is expanded over its whole domain; points the
 space does not admit for the workload are dropped. Every candidate goes through the search's
-own GPU worker (``evoengine.search._gpu``): the criterion on ``validate.plan(workload)``, then
-a timing; the ``--keep`` fastest valid ones are re-timed ``--rounds`` times interleaved with
-SDPA's flash and cuDNN backends, and the row holds the best, with same-run ratios.
+own GPU worker (``evoengine.search.worker.GpuWorker``, run in this process): the criterion on
+``validate.plan(workload)``, then a timing; the ``--keep`` fastest valid ones are re-timed
+``--rounds`` times interleaved with SDPA's flash and cuDNN backends, and the row holds the
+best, with same-run ratios.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def candidates(domain: Domain, text: str, family: str | None, records: int,
 
 def main() -> None:
     from evoengine.arch import arch_of_capability
-    from evoengine.search._gpu import _Worker
+    from evoengine.search.worker import GpuWorker
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,7 +119,7 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         for text in args.workloads:
             w = Workload.parse_spec(text, dtype=dtype)
-            worker = _Worker(w.to_dict(), 0)
+            worker = GpuWorker(w, 0)
             info = worker.info
             arch = arch_of_capability(*info.capability)
             domain = Domain(spaces, w, arch)
@@ -129,14 +130,14 @@ def main() -> None:
                 if not compiled.ok:
                     invalid.append({"params": cand.params, "reason": compiled.error})
                     continue
-                r = worker.evaluate((cand, compiled))
+                r = worker.evaluate(cand, compiled)
                 if r["ok"]:
                     timed.append((r["median_us"], cand, compiled))
                 else:
                     invalid.append({"params": cand.params, "reason": r["reason"]})
             timed.sort(key=lambda t: t[0])
             top = timed[:args.keep]
-            final = worker.final(([(c, r) for _, c, r in top], args.rounds))
+            final = worker.final([(c, r) for _, c, r in top], args.rounds)
             best = min(zip(final["candidates"], top, strict=True),
                        key=lambda x: x[0]["median_us"])
             t, (search_us, cand, compiled) = best

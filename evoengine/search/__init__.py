@@ -8,20 +8,15 @@ worker, keep everything in the store, re-time the elites next to SDPA.
 from __future__ import annotations
 
 from evoengine.search.domain import Domain
-from evoengine.search.evaluator import (
-    DeviceInfo,
-    Evaluation,
-    Evaluator,
-    EvaluatorError,
-    GpuEvaluator,
-    WorkerEvaluator,
-)
+from evoengine.search.evaluator import DeviceInfo, Evaluation, Evaluator, EvaluatorError
 from evoengine.search.loop import SearchConfig, SearchError, SearchResult, default_study, search
 from evoengine.search.progress import Progress, Tally, elite_table
 from evoengine.search.samplers import STRATEGIES, EvoSampler, make_sampler
+from evoengine.search.worker import GpuEvaluator, GpuWorker, WorkerEvaluator
 
 __all__ = [
     "STRATEGIES", "DeviceInfo", "Domain", "Evaluation", "Evaluator", "EvaluatorError",
-    "EvoSampler", "GpuEvaluator", "Progress", "SearchConfig", "SearchError", "SearchResult",
-    "Tally", "WorkerEvaluator", "default_study", "elite_table", "make_sampler", "search",
+    "EvoSampler", "GpuEvaluator", "GpuWorker", "Progress", "SearchConfig", "SearchError",
+    "SearchResult", "Tally", "WorkerEvaluator", "default_study", "elite_table", "make_sampler",
+    "search",
 ]

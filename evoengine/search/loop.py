@@ -50,7 +50,7 @@ from evoengine.compile import CompileResult, compile_candidate, is_cached, nvrtc
 from evoengine.provenance import git_commit
 from evoengine.render import Candidate, render
 from evoengine.search.domain import Domain, Point
-from evoengine.search.evaluator import DeviceInfo, Evaluation, Evaluator, GpuEvaluator
+from evoengine.search.evaluator import DeviceInfo, Evaluation, Evaluator
 from evoengine.search.progress import Progress, Tally
 from evoengine.search.samplers import (
     IDENTITY_ATTR,
@@ -59,6 +59,7 @@ from evoengine.search.samplers import (
     make_sampler,
     proposes_only_fresh,
 )
+from evoengine.search.worker import GpuEvaluator
 from evoengine.space import SearchSpace
 from evoengine.store import ClaimLost, Store
 from evoengine.workload import Workload
