@@ -1,5 +1,5 @@
-"""The search loop without a GPU: the domain, the samplers, the loop's bookkeeping, fault
-isolation in a worker process, interruption and resumption.
+"""The search loop without a GPU: the domain, the samplers, the loop's bookkeeping, the
+Optuna adapter, fault isolation in a worker process, interruption and resumption.
 
 Candidates are "compiled" by a stub and "measured" by fake evaluators whose times are a
 fixed function of the parameters, so the tests know the optimum and every outcome.
@@ -32,6 +32,7 @@ from evoengine.search import (
     search,
 )
 from evoengine.search.samplers import STRATEGIES
+from evoengine.search.study import SearchStudy, open_storage, quiet_optuna
 from evoengine.space import SearchSpace
 from evoengine.store import Store
 from evoengine.workload import Workload
@@ -331,6 +332,20 @@ def test_other_strategies_run_the_same_loop(tmp_path: Path, strategy: str) -> No
     assert len(ids) == 15 == len(set(ids))
 
 
+def test_a_target_stops_the_search_once_a_time_within_it_is_measured(tmp_path: Path) -> None:
+    domain = Domain([mma()], WORKLOAD, SM90)
+    times = sorted(fake_time(p) for _, p in domain.all_points())
+    target = times[len(times) // 4]
+    result = run(config(tmp_path, trials=200, target_us=target), FakeEvaluator())
+    assert result.status == "done" and f"within {target:g} us" in result.stopped_because
+    with Store(f"sqlite:///{tmp_path / 'evo.db'}") as store:
+        ms = [m for m in store.measurements(run_id=result.run_id)
+              if m.extra["phase"] == "search"]
+    first = next(i for i, m in enumerate(ms) if m.ok and m.median_us <= target)  # type: ignore[operator]
+    assert first + 1 <= len(ms) <= first + 1 + 4  # then only the lookahead in flight
+    assert len(ms) < 60
+
+
 def test_compile_errors_are_recorded_and_never_evaluated(tmp_path: Path) -> None:
     fake = FakeEvaluator()
     run(config(tmp_path, trials=60, seed=4), fake)
@@ -341,6 +356,54 @@ def test_compile_errors_are_recorded_and_never_evaluated(tmp_path: Path) -> None
             assert cand is not None and not cand.compile_reports["sm_90a"].ok
             assert m.identity not in fake.evaluated
     assert failed  # 60 of 270 points: some of the 18 planted failures are drawn
+
+
+# ---- the Optuna adapter -------------------------------------------------------------------
+
+def test_the_optuna_adapter_holds_on_the_installed_optuna(tmp_path: Path) -> None:
+    """``SearchStudy`` reads three private names of Optuna (``Study._storage``,
+    ``Study._study_id``, ``Trial._trial_id``). Checked here through Optuna's public API on a
+    storage of its own, so a release that changes them fails here, not in a search: trials
+    are created holding their point and identity, end in the state and value written, and
+    heartbeat (a silent one is failed as stale after the grace period)."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    domain = Domain([small_space(tmp_path)], WORKLOAD, SM90)
+    first, second = domain.all_points()[:2]
+    with quiet_optuna():
+        study = SearchStudy.open(open_storage(url, heartbeat_s=1, grace_s=1), "pinned",
+                                 EvoSampler(domain, seed=0), domain)
+        ours = study.create(*first, domain.identity(*first))
+        asked, point = study.ask()  # Optuna's own path (our sampler proposes through it too)
+        silent = study.create(*second, None)
+        public = optuna.storages.RDBStorage(url)
+    study_id = public.get_study_id_from_name("pinned")
+    for trial in (ours, asked, silent):
+        assert study.trial_id(trial) == public.get_trial_id_from_study_id_trial_number(
+            study_id, trial.number)
+    written = public.get_trial(study.trial_id(ours))
+    assert written.state == optuna.trial.TrialState.RUNNING
+    assert written.params == domain.to_trial_params(*first)
+    assert written.distributions == {n: domain.distributions()[n] for n in written.params}
+    assert written.user_attrs == {"identity": domain.identity(*first)}
+    assert public.get_trial(study.trial_id(asked)).params == domain.to_trial_params(*point)
+
+    study.complete(ours, 12.5)
+    study.fail(asked, "planted")
+    done, failed = (public.get_trial(study.trial_id(t)) for t in (ours, asked))
+    assert done.state == optuna.trial.TrialState.COMPLETE and done.value == 12.5
+    assert failed.state == optuna.trial.TrialState.FAIL
+    assert failed.user_attrs["reason"] == "planted"
+    assert study.finished(study.trial_id(ours)) and not study.finished(study.trial_id(silent))
+    study.complete(ours, 1.0)  # finished already: a no-op, as when another worker failed it
+    assert public.get_trial(study.trial_id(ours)).value == 12.5
+
+    deadline = time.monotonic() + 15
+    while not study.finished(study.trial_id(silent)):
+        assert time.monotonic() < deadline, "the silent trial was never failed as stale"
+        time.sleep(0.25)
+        with quiet_optuna():
+            study.fail_stale()
+    assert public.get_trial(study.trial_id(silent)).state == optuna.trial.TrialState.FAIL
 
 
 # ---- fault isolation ----------------------------------------------------------------------

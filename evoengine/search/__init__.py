@@ -3,6 +3,17 @@ default), compile them ahead in worker processes, validate and time them in an i
 worker, keep everything in the store, re-time the elites next to SDPA.
 
 ``search(SearchConfig(...))`` is the entry point; ``evoengine search`` is a thin layer on it.
+One module per concept, each stating its contract:
+
+- ``loop``: the schedule (propose, compile ahead, evaluate, record) and ``search`` itself;
+- ``domain``: the admitted points of every family for one workload and target;
+- ``samplers``: the strategies, as Optuna samplers;
+- ``study``: the adapter to Optuna's study and trials (the only user of Optuna's private API);
+- ``coordination``: claims, heartbeats and the view of other workers on the same store;
+- ``evidence``: what the search writes to the store, and its results document;
+- ``evaluator``: the ``Evaluator`` interface; ``worker``: the GPU worker process and its
+  protocol (``GpuEvaluator``, ``GpuWorker``);
+- ``progress``: the live status line; ``replay``: searching recorded sweeps without a GPU.
 """
 
 from __future__ import annotations
