@@ -491,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("record", help="write a recorded sweep from the store (for --replay)",
                        description="Export the search-phase measurements of one workload on one "
                        "target as a replay record (gzip'd JSON, format in "
-                       "evoengine/search/replay.py): every point once, failures with their "
+                       "evoengine/search/replay/record.py): every point once, failures with their "
                        "reason, with the device, driver, date and commit of the runs.")
     _store_option(r, paths.DEFAULT_STORE, reads=True)
     r.add_argument("--arch", default="sm_90a", help="target (default sm_90a)")
