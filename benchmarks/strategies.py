@@ -10,20 +10,26 @@ count the evaluations until the best valid time found is within ``--within`` (2%
 record's optimum; report the median and interquartile range over the seeds, and the ratios
 the targets name (evo at most half of random's, and no more than Kernel Tuner's GA).
 
-**An evaluation** is one distinct recorded point a strategy chose to build: compile errors,
-wrong answers and faults count (each costs a compile and a GPU slot in a real search);
-proposals the space rejects and repeats answered from memory do not, exactly as the
-search loop counts them. For Kernel Tuner: the distinct configurations in its results, in
-order, failures included (its simulation runner counts the same against ``max_fevals``).
+Our strategies run the search users run: ``evoengine.search.search``, the loop of
+``evoengine search --replay``, on the record's ``replay_domain``, ``ReplayEvaluator`` and
+``replay_compile``, each run in a fresh SQLite store with the seed, ``trials`` = the budget
+and ``target_us`` = the target (the loop stops starting trials once it has measured a time
+within it). **An evaluation** is one search-phase measurement in that store: a distinct
+point the strategy had built, compile errors, wrong answers and faults included (each costs
+a compile and a GPU slot in a real search); proposals the space rejects and repeats answered
+from the store are not measured (the loop gives up after ``MAX_IDLE_PROPOSALS`` of them in a
+row). The count is the position, in the order the store took them, of the first measurement
+within the target. As in a real search, the loop proposes up to ``min(max(4, 2 x compile
+workers), 32)`` points ahead of their results (``--workers``, default 1), and which results
+a sampler has seen when it proposes depends on when the compiler processes and the GPU
+thread answer, so a seed's count is not guaranteed to repeat exactly. For Kernel Tuner: the
+distinct configurations in its results, in order, failures included (its simulation runner
+counts the same against ``max_fevals``).
 
-Our strategies run through a sequential ask/tell driver over the replay domain with the
-real samplers, answering each trial as the loop's ``_start_one`` / ``_record`` do (rejected:
-failed trial; measured: the known value; otherwise the recorded value or a failed trial
-with its reason). The loop differs in one way: it asks up to 2x the compile workers ahead
-before telling results. Kernel Tuner gets a cache file written from the record and a search
-space equal to ours (asserted): a ``family`` parameter plus every family's parameters
-(``mma.BLOCK_M``...), where a parameter of another family holds its first value, with
-restrictions admitting exactly the recorded points. Its failures are cached as
+Kernel Tuner gets a cache file written from the record and a search space equal to ours
+(asserted): a ``family`` parameter plus every family's parameters (``mma.BLOCK_M``...),
+where a parameter of another family holds its first value, with restrictions admitting
+exactly the recorded points. Its failures are cached as
 ``CompilationFailedConfig`` / ``RuntimeFailedConfig``, as its own runner records them. Its
 options are its defaults; ``max_fevals`` is the budget; Python's and NumPy's random state are
 seeded per run (``tune_kernel`` has no seed of its own).
@@ -54,14 +60,22 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evoengine import paths  # noqa: E402
+from evoengine.search import Progress, SearchConfig, search  # noqa: E402
 from evoengine.search.domain import Domain  # noqa: E402
-from evoengine.search.replay import Record, load_record, replay_domain  # noqa: E402
+from evoengine.search.replay import (  # noqa: E402
+    Record,
+    ReplayEvaluator,
+    load_record,
+    replay_compile,
+    replay_domain,
+    save_record,
+)
 from evoengine.space import SearchSpace  # noqa: E402
+from evoengine.store import Store  # noqa: E402
 
 STRATEGIES = ("evo", "tpe", "random", "kt-ga")
-EXTRA = ("evo-flat",)  # evo with balanced=False: random points uniform over all points
+EXTRA = ("nsga2",)  # Optuna's NSGA-II, which the search also runs
 WITHIN = 0.02
-MAX_IDLE_PROPOSALS = 500  # as the loop: give up after this many proposals needing no build
 KT_KERNEL = "evoengine_attention"
 
 
@@ -77,65 +91,41 @@ def optimum(record: Record, domain: Domain) -> float:
 # ---- our strategies -------------------------------------------------------------------------
 
 def run_ours(strategy: str, domain: Domain, record: Record, seed: int, budget: int,
-             target_us: float) -> int | None:
-    """Evaluations until a valid time <= target_us, or None if not within the budget."""
-    import optuna
-    from optuna.trial import TrialState
-
-    from evoengine.search.samplers import (
-        IDENTITY_ATTR,
-        REASON_ATTR,
-        EvoSampler,
-        make_sampler,
-        proposes_only_fresh,
-    )
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    measured: dict[str, float | None] = {}
-    if strategy == "evo-flat":
-        sampler = EvoSampler(domain, seed=seed, blocked=lambda: set(measured), balanced=False)
-    else:
-        sampler = make_sampler(strategy, domain, seed=seed, blocked=lambda: set(measured))
-    study = optuna.create_study(sampler=sampler, direction="minimize")
-    fresh_only = proposes_only_fresh(sampler)
-
-    def fail(trial: Any, reason: str) -> None:
-        trial.set_user_attr(REASON_ATTR, reason)
-        study.tell(trial, state=TrialState.FAIL)
-
-    evaluations = idle = 0
-    while evaluations < budget and idle < MAX_IDLE_PROPOSALS:
-        if fresh_only and len(measured) >= len(domain):
-            break
-        trial = study.ask()
-        family, params = domain.suggest(trial)
-        bad = domain.violations(family, params)
-        if bad:
-            idle += 1
-            fail(trial, "rejected by the search space: " + "; ".join(bad))
-            continue
-        identity = domain.identity(family, params)
-        trial.set_user_attr(IDENTITY_ATTR, identity)
-        if identity in measured:
-            idle += 1
-            known = measured[identity]
-            if known is None:
-                fail(trial, "measured before: failed")
-            else:
-                study.tell(trial, known)
-            continue
-        idle = 0
-        evaluations += 1
-        point = record.lookup(family, params)
-        assert point is not None  # the replay domain holds recorded points only
-        measured[identity] = point.median_us if point.ok else None
-        if point.ok:
-            study.tell(trial, point.median_us)
-            if point.median_us <= target_us:  # type: ignore[operator]
-                return evaluations
-        else:
-            fail(trial, point.reason or "failed")
+             target_us: float, workdir: Path, *, workers: int = 1,
+             keep: bool = True) -> int | None:
+    """Evaluations until a valid time <= target_us, or None if not within the budget: one
+    run of the search loop on the replay of ``record`` (which must be saved to a file), in a
+    fresh store ``workdir/<strategy>-seed<seed>.db``, kept for inspection if ``keep``."""
+    path = workdir / f"{strategy}-seed{seed}.db"
+    _remove_store(path)
+    url = f"sqlite:///{path}"
+    config = SearchConfig(workload=record.workload, spaces=list(domain.spaces.values()),
+                          arch=domain.arch, store=url, strategy=strategy, trials=budget,
+                          target_us=target_us, seed=seed, compile_workers=workers)
+    result = search(config, evaluator=ReplayEvaluator(record), domain=domain,
+                    compile_fn=replay_compile(record), progress=Progress(1.0, quiet=True))
+    with Store(url) as store:
+        measured = [m for m in store.measurements(run_id=result.run_id)
+                    if m.extra.get("phase") == "search"]
+    if not keep:
+        _remove_store(path)
+    for count, m in enumerate(measured[:budget], start=1):
+        if m.ok and m.median_us is not None and m.median_us <= target_us:
+            return count
     return None
+
+
+def _remove_store(path: Path) -> None:
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        p.unlink(missing_ok=True)
+
+
+def scratch_dir() -> str | None:
+    """Where the runs' stores go by default: a RAM file system where there is one. Each
+    SQLite commit there costs no disk flush, which would otherwise take most of a run's
+    time; what is counted (evaluations) does not depend on it."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
 # ---- Kernel Tuner ---------------------------------------------------------------------------
@@ -285,8 +275,11 @@ def summarize(counts: Sequence[int | None], budget: int) -> dict[str, Any]:
 
 def benchmark(record: Record, strategies: Sequence[str], seeds: int, budget: int | None,
               within: float = WITHIN, *, spaces: Sequence[SearchSpace] | None = None,
-              workdir: Path | None = None, log: Any = sys.stderr) -> dict[str, Any]:
-    """Every strategy on ``record`` for seeds 0..seeds-1 (``spaces``: default all)."""
+              workdir: Path | None = None, workers: int = 1,
+              log: Any = sys.stderr) -> dict[str, Any]:
+    """Every strategy on ``record`` for seeds 0..seeds-1 (``spaces``: default all). The
+    stores of our strategies' runs, and Kernel Tuner's cache, are written in ``workdir``
+    and kept there (default: a temporary folder in ``scratch_dir()``, removed as it goes)."""
     domain = replay_domain(record, spaces)
     best = optimum(record, domain)
     target = best * (1 + within)
@@ -296,22 +289,27 @@ def benchmark(record: Record, strategies: Sequence[str], seeds: int, budget: int
         "device": record.device, "date": record.date, "commit": record.commit,
         "arch": record.arch, "workload": record.workload.key(), "domain": len(domain),
         "skipped_points": len(domain.skipped), "optimum_us": best, "within": within,
-        "target_us": target, "budget": budget, "seeds": seeds,
+        "target_us": target, "budget": budget, "seeds": seeds, "compile_workers": workers,
         "points_within": sum(1 for f, p in domain.all_points()
                              if (r := record.lookup(f, p)) is not None and r.ok
                              and r.median_us <= target),  # type: ignore[operator]
         "strategies": {},
     }
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=scratch_dir()) as tmp:
+        work = Path(workdir or tmp)
+        replayed = record
+        if record.path is None:  # the search's compiler processes read the record from a file
+            replayed = load_record(save_record(record, work / f"record-{record.key()}.json.gz"))
         kt = None
         for strategy in strategies:
             start = time.perf_counter()
             if strategy == "kt-ga":
-                kt = kt or KernelTuner(domain, record, Path(workdir or tmp))
+                kt = kt or KernelTuner(domain, record, work)
                 kt.check_space()
                 counts = [kt.run(s, budget, target) for s in range(seeds)]
             else:
-                counts = [run_ours(strategy, domain, record, s, budget, target)
+                counts = [run_ours(strategy, domain, replayed, s, budget, target, work,
+                                   workers=workers, keep=workdir is not None)
                           for s in range(seeds)]
             out["strategies"][strategy] = {**summarize(counts, budget),
                                            "seconds": round(time.perf_counter() - start, 1)}
@@ -374,6 +372,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help=f"comma-separated subset of {','.join(STRATEGIES + EXTRA)}")
     p.add_argument("--synthetic", metavar="B,H,S,D[,causal]",
                    help="use a SYNTHETIC record of this workload (development only)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="the search's compile workers (default 1; it proposes up to "
+                        "max(4, 2 x workers) points ahead of their results)")
     p.add_argument("--json", metavar="FILE", help="write the results document")
     args = p.parse_args(argv)
     strategies = [s for s in args.strategies.split(",") if s]
@@ -394,7 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for record in records:
         print(record.describe(), file=sys.stderr)
-        results.append(benchmark(record, strategies, args.seeds, args.budget, args.within))
+        results.append(benchmark(record, strategies, args.seeds, args.budget, args.within,
+                                 workers=args.workers))
     print(table(results))
     if args.json:
         doc = {"date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("EVO_COMMIT")
