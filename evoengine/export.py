@@ -34,6 +34,7 @@ from evoengine._standalone import (
 from evoengine._version import __version__
 from evoengine.arch import Arch, get_arch
 from evoengine.compile import LAUNCHER, compile_many, compile_source, nvrtc_version
+from evoengine.problems import workload_from_dict, workload_from_key
 from evoengine.provenance import git_commit
 from evoengine.render import Candidate, make_candidate, make_identity, render
 from evoengine.space import SearchSpace
@@ -62,21 +63,28 @@ class Winner:
     run: RunRecord | None
 
 
-def _workload_of(elite: EliteRecord, run: RunRecord | None) -> Workload:
-    """What the elite was measured on: its run's workload, else what its key says."""
+def _workload_of(elite: EliteRecord, run: RunRecord | None) -> Any:
+    """What the elite was measured on (a workload of its problem's kind): its run's workload,
+    else what its key says."""
     if run is not None:
         try:
-            return Workload.from_dict(run.workload)
+            return workload_from_dict(run.workload)
         except (TypeError, ValueError):
             pass
     try:
-        return Workload.from_key(elite.workload_key)
+        return workload_from_key(elite.workload_key)
     except ValueError as e:
         raise ExportError(f"elite {elite.identity}: cannot tell its workload ({e})") from None
 
 
+# The problem kinds an exported module dispatches today: the forward. Backward elites stay
+# in the store until the module's autograd formula dispatches them (issue #16).
+EXPORTED_KINDS = ("fwd",)
+
+
 def winners(store: Store, arch: Arch, study: str | None = None) -> list[Winner]:
-    """The best elite of every workload on ``arch``, of runs of ``study`` if given."""
+    """The best elite of every workload on ``arch`` whose kind is exported, of runs of
+    ``study`` if given."""
     found = []
     runs: dict[int, RunRecord | None] = {}
     taken: set[str] = set()
@@ -94,6 +102,8 @@ def winners(store: Store, arch: Arch, study: str | None = None) -> list[Winner]:
         if candidate is None:  # the foreign key makes this impossible; say so if it happens
             raise ExportError(f"elite {elite.identity} has no candidate row in {_shown(store)}")
         workload = _workload_of(elite, run)
+        if workload.kind not in EXPORTED_KINDS:
+            continue
         if workload.problem() != candidate.problem:
             raise ExportError(f"elite {elite.identity} won {elite.workload_key}, whose problem "
                               f"{workload.problem()} is not the kernel's {candidate.problem}")

@@ -172,12 +172,6 @@ CHECKS: dict[str, Callable[[list[str], subprocess.CompletedProcess, Walk], None]
 
 # Steps that fail today for a known reason elsewhere; strict=False, so they pass unmarked
 # once it is fixed.
-KNOWN = {
-    "export": "issue #15 item 1: the record was swept before SCHEDULER and TILE_ORDER were "
-              "added to the wgmma space, so its elites lack them and the space rejects them",
-}
-
-
 def test_readme_walks_the_newcomer_path() -> None:
     """The walk exists and covers install, offline compiling, a replay and every reader."""
     assert {step(argv) for argv in COMMANDS} >= set(CHECKS)
@@ -185,8 +179,7 @@ def test_readme_walks_the_newcomer_path() -> None:
 
 
 @pytest.mark.parametrize("index", [
-    pytest.param(i, id=step(argv), marks=[pytest.mark.xfail(strict=False, reason=KNOWN[step(argv)])]
-                 if step(argv) in KNOWN else [])
+    pytest.param(i, id=step(argv))
     for i, argv in enumerate(COMMANDS)
 ])
 def test_readme_command(walk: Walk, index: int) -> None:

@@ -38,8 +38,9 @@ class Domain:
         self.spaces: dict[str, SearchSpace] = {}
         self.points: dict[str, list[dict[str, Any]]] = {}
         for space in spaces:
-            if not space.supports(arch) or space.family in self.spaces:
-                continue
+            if (space.kind != workload.kind or not space.supports(arch)
+                    or space.family in self.spaces):
+                continue  # another problem's family, another target's, or named twice
             admitted = space.admitted(self.problem, arch)
             if admitted:
                 self.spaces[space.family] = space

@@ -40,9 +40,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from evoengine.compile import CompileResult
+from evoengine.problems import Workload, problem_of, workload_from_dict
 from evoengine.render import Candidate
 from evoengine.search.evaluator import DeviceInfo, Evaluation, Evaluator, EvaluatorError
-from evoengine.workload import Workload
 
 # ---- the parent's end -------------------------------------------------------------------
 
@@ -194,7 +194,7 @@ def serve(conn: Any, workload_dict: dict[str, Any], device: int) -> None:
     parent goes away); a request that raises is answered as a fault and the process exits."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     try:
-        worker = GpuWorker(Workload.from_dict(workload_dict), device)
+        worker = GpuWorker(workload_from_dict(workload_dict), device)
     except Exception as e:  # noqa: BLE001 (reported to the parent, which raises)
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -230,11 +230,12 @@ def _answer(worker: GpuWorker, op: str, payload: Any) -> Any:
 
 class GpuWorker:
     """Validates and times candidates of ``workload`` on CUDA device ``device``, in this
-    process: the criterion of ``validate`` on ``validate.plan(workload)``, then
-    ``measure.time_calls`` on inputs rotated past L2 (graph replay for small workloads).
+    process, as the workload's problem (``evoengine.problems``) says: its criterion on the
+    shapes it plans, then ``measure.time_calls`` on its inputs, rotated past L2 (graph replay
+    where the problem says so), next to its anchors (SDPA's backends).
 
     Raises ``RuntimeError`` when no CUDA GPU is visible. Its methods answer the protocol's
-    requests: ``evaluate`` the fields of an ``Evaluation``, ``baseline`` SDPA's times,
+    requests: ``evaluate`` the fields of an ``Evaluation``, ``baseline`` the anchors' times,
     ``final`` the interleaved re-time (``Evaluator.final``'s format).
     """
 
@@ -242,34 +243,33 @@ class GpuWorker:
         import cupy
         import torch
 
-        from evoengine import measure
-
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA GPU is visible to torch")
         torch.cuda.set_device(device)
         self.device = device
         self.workload = workload
+        self.problem = problem_of(workload)
         props = torch.cuda.get_device_properties(device)
         self.info = DeviceInfo(
             name=props.name, capability=(props.major, props.minor), driver=_driver(),
             versions={"torch": torch.__version__, "cupy": cupy.__version__,
                       "cuda": str(torch.version.cuda)})
-        self.sets = measure.workload_inputs(self.workload, f"cuda:{device}")
-        self.scale = 1.0 / math.sqrt(self.workload.head_dim)
-        self.graph = measure.graph_for(self.workload)
+        self.sets = self.problem.inputs(self.workload, f"cuda:{device}")
+        self.graph = self.problem.graph_for(self.workload)
 
     def _timer(self, candidate: Candidate, compiled: CompileResult) -> Any:
-        from evoengine import measure
-        from evoengine.runtime import Kernel
+        kernel = self.problem.load(candidate, compiled)
+        return kernel, self.problem.timed_call(kernel, self.workload, self.sets)
 
-        kernel = Kernel(candidate, compiled)
-        return kernel, measure.kernel_call(kernel, self.sets, self.scale)
+    def _anchor(self, anchor: str) -> float | None:
+        t = self.problem.time_anchor(anchor, self.workload, self.sets, graph=self.graph)
+        return None if t is None else t.median_us
 
     def evaluate(self, candidate: Candidate, compiled: CompileResult) -> dict[str, Any]:
-        from evoengine import measure, validate
+        from evoengine import measure
 
         kernel, call = self._timer(candidate, compiled)
-        verdict = validate.check_workload(kernel, self.workload, device=f"cuda:{self.device}")
+        verdict = self.problem.check(kernel, self.workload, device=f"cuda:{self.device}")
         if not verdict.ok:
             return {"ok": False, "reason": verdict.reason, "max_err": _finite(verdict.max_err),
                     "tolerance": verdict.tolerance}
@@ -278,13 +278,7 @@ class GpuWorker:
                 "graph": t.graph, "max_err": verdict.max_err, "tolerance": verdict.tolerance}
 
     def baseline(self) -> dict[str, float | None]:
-        from evoengine import measure
-
-        out = {}
-        for backend in measure.SDPA_BACKENDS:
-            t = measure.time_sdpa(self.workload, self.sets, backend, graph=self.graph)
-            out[backend] = None if t is None else t.median_us
-        return out
+        return {anchor: self._anchor(anchor) for anchor in self.problem.anchors}
 
     def final(self, entries: Sequence[tuple[Candidate, CompileResult]],
               rounds: int) -> dict[str, Any]:
@@ -295,20 +289,20 @@ class GpuWorker:
 
         calls = [self._timer(c, r)[1] for c, r in entries]
         samples: list[list[float]] = [[] for _ in calls]
-        sdpa: dict[str, list[float]] = {b: [] for b in measure.SDPA_BACKENDS}
+        anchors: dict[str, list[float]] = {a: [] for a in self.problem.anchors}
         for _ in range(rounds):
             for i, call in enumerate(calls):
                 samples[i].append(measure.time_calls(call, len(self.sets),
                                                      graph=self.graph).median_us)
-            for backend in measure.SDPA_BACKENDS:
-                t = measure.time_sdpa(self.workload, self.sets, backend, graph=self.graph)
-                if t is not None:
-                    sdpa[backend].append(t.median_us)
+            for anchor, times in anchors.items():
+                us = self._anchor(anchor)
+                if us is not None:
+                    times.append(us)
         torch.cuda.synchronize()
         return {
             "candidates": [{"median_us": statistics.median(s), "spread_us": max(s) - min(s),
                             "rounds": len(s)} for s in samples],
-            **{b: (statistics.median(v) if v else None) for b, v in sdpa.items()},
+            **{a: (statistics.median(v) if v else None) for a, v in anchors.items()},
         }
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from evoengine.arch import get_arch
+from evoengine.problems import workload_from_dict
 from evoengine.search.replay.record import (
     SYNTHETIC_DEVICE,
     Record,
@@ -25,7 +26,6 @@ from evoengine.search.replay.record import (
     point_key,
 )
 from evoengine.space import SearchSpace, default_spaces
-from evoengine.workload import Workload
 
 
 def record_from_store(store: Any, arch: str, workload_key: str, *,
@@ -105,7 +105,7 @@ def record_from_store(store: Any, arch: str, workload_key: str, *,
         info["space"] = space.path.read_text()
     last = runs[-1]
     versions = dict(last.versions)
-    return Record(arch=arch, workload=Workload.from_dict(last.workload),
+    return Record(arch=arch, workload=workload_from_dict(last.workload),
                   device=str(last.device), points=tuple(points.values()), families=families,
                   driver=versions.get("driver"),
                   date=_utc(runs[0].created_at).isoformat(timespec="seconds"),

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from evoengine.arch import get_arch
-from evoengine.workload import Workload
+from evoengine.problems import Workload, workload_from_dict
 
 FORMAT = 1
 NOT_RECORDED = "not in the replay record"  # the reason given for a point the record lacks
@@ -163,7 +163,7 @@ class Record:
                               f"format {FORMAT}")
         try:
             arch = get_arch(str(data["arch"])).name
-            workload = Workload.from_dict(dict(data["workload"]))
+            workload = workload_from_dict(dict(data["workload"]))
             families = {str(f): {"template_hash": info.get("template_hash"),
                                  "parameters": list(info["parameters"]),
                                  **({"space": str(info["space"])} if info.get("space") else {})}
