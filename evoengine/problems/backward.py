@@ -60,6 +60,14 @@ class Backward(Forward):
     summary = "attention backward: dq, dk, dv from q, k, v, out, log-sum-exp and dout"
     anchors = ("flash", "cudnn")  # SDPA's backward, by backend
 
+    def method(self) -> str:
+        from evoengine import measure
+
+        return (f"{measure.TIMING}, no graph replay, {measure.INPUTS}; ours: the pre, main and "
+                "post kernels per call; elites re-timed interleaved with SDPA's flash and cuDNN "
+                "backward (torch.autograd.grad of the output, the forward's graph kept), median "
+                "of the rounds' medians")
+
     def workload_from_dict(self, data: Mapping[str, Any]) -> BackwardWorkload:
         return BackwardWorkload.from_dict(dict(data))  # type: ignore[return-value]
 

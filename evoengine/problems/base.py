@@ -67,6 +67,11 @@ class Problem(abc.ABC):
     # ---- workloads -----------------------------------------------------------------------
 
     @abc.abstractmethod
+    def method(self) -> str:
+        """How a search's results of this kind were timed, for the header of its results
+        JSON (``provenance.header``): the timing, the anchors and how they were called."""
+
+    @abc.abstractmethod
     def workload_from_dict(self, data: Mapping[str, Any]) -> Workload:
         """The workload ``to_dict()`` wrote (the store's run rows, replay records)."""
 

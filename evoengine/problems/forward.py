@@ -28,6 +28,12 @@ class Forward(Problem):
     summary = "attention forward: out (and log-sum-exp) from q, k, v"
     anchors = ("flash", "cudnn")  # SDPA's backends
 
+    def method(self) -> str:
+        from evoengine import measure
+
+        return (f"{measure.METHOD}; elites re-timed interleaved with SDPA flash and cuDNN, "
+                "median of the rounds' medians")
+
     def workload_from_dict(self, data: Mapping[str, Any]) -> Workload:
         return Workload.from_dict(dict(data))
 

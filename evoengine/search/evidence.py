@@ -16,16 +16,15 @@ nothing is written then. Other store errors propagate.
 
 from __future__ import annotations
 
-import datetime
 import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from evoengine import measure
 from evoengine._version import __version__
 from evoengine.compile import CompileResult, nvrtc_version
-from evoengine.provenance import git_commit
+from evoengine.problems import problem_of
+from evoengine.provenance import git_commit, header
 from evoengine.render import Candidate, render
 from evoengine.search.domain import Domain
 from evoengine.search.evaluator import DeviceInfo, Evaluation
@@ -153,6 +152,7 @@ def row(w: Workload, candidate: Candidate, us: float, flash: float | None,
         cudnn: float | None) -> dict[str, Any]:
     """One result row: the point, its time and TFLOPS, and SDPA's times beside it."""
     return {
+        "kind": w.kind, "direction": "bwd" if w.kind == "bwd" else "fwd",
         "family": candidate.family, "shape": [w.batch, w.heads, w.seq_q, w.head_dim],
         "kv_heads": w.kv_heads, "seq_k": w.seq_k, "causal": w.causal, "dtype": w.dtype,
         "ours_us": us, "sdpa_flash_us": flash, "sdpa_cudnn_us": cudnn,
@@ -166,21 +166,12 @@ def versions(info: DeviceInfo) -> dict[str, str]:
             **info.versions}
 
 
-def results_document(*, device: DeviceInfo, study: str, run_id: int, tally: Tally,
-                     rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """A run as the results JSON of ``benchmarks/results/``."""
-    return {
-        "device": device.name, "driver": device.driver,
-        "torch": device.versions.get("torch"), "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "study": study, "run_id": run_id,
-        "method": f"{measure.TIMING} (graph replay of 64 calls, "
-                  "for every contender, when the workload is under 15 GFLOP), inputs "
-                  "rotated over >=256 MB; elites re-timed interleaved with SDPA flash and "
-                  "cuDNN, median of the rounds' medians",
-        "search": tally_dict(tally),
-        "rows": rows,
-    }
+def results_document(*, device: DeviceInfo, workload: Workload, study: str, run_id: int,
+                     tally: Tally, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run as the results JSON of ``benchmarks/results/``: the one header, then the run."""
+    return header(device=device.name, driver=device.driver,
+                  torch=device.versions.get("torch"), method=problem_of(workload).method(),
+                  study=study, run_id=run_id, search=tally_dict(tally), rows=rows)
 
 
 def tally_dict(t: Tally) -> dict[str, Any]:

@@ -115,8 +115,8 @@ class SearchResult:
 
     def evidence(self) -> dict[str, Any]:
         """The run as the results JSON of ``benchmarks/results/``."""
-        return results_document(device=self.device, study=self.study, run_id=self.run_id,
-                                tally=self.tally, rows=self.rows)
+        return results_document(device=self.device, workload=self.workload, study=self.study,
+                                run_id=self.run_id, tally=self.tally, rows=self.rows)
 
 
 @dataclass
