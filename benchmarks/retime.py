@@ -18,10 +18,8 @@ best, with same-run ratios.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evoengine import measure, paths  # noqa: E402
 from evoengine.compile import compile_many  # noqa: E402
+from evoengine.provenance import header  # noqa: E402
 from evoengine.search.domain import Domain  # noqa: E402
 from evoengine.search.replay import load_record  # noqa: E402
 from evoengine.space import default_spaces  # noqa: E402
@@ -99,21 +98,18 @@ def main() -> None:
     def write() -> None:  # after every row: a run cut short keeps what it measured
         if not args.json:
             return
-        doc = {
-            "device": info.name if info else None, "driver": info.driver if info else None,
-            "versions": info.versions if info else None,
-            "commit": os.environ.get("EVO_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "method": "each candidate: the criterion on validate.plan(workload), then "
-                      f"{measure.TIMING} (inputs rotated past L2, graph replay under "
-                      f"15 GFLOP); the {args.keep} fastest re-timed {args.rounds} rounds "
-                      "interleaved with SDPA flash and cuDNN in the same process (medians over "
-                      "rounds)",
-            "candidates": f"best {args.records} of each recorded sweep in tests/data"
-                          + (f" + {args.points}" if args.points else "")
-                          + "; parameters added since a sweep expanded over their domains",
-            "rows": rows,
-        }
+        doc = header(
+            device=info.name if info else None, driver=info.driver if info else None,
+            torch=info.versions.get("torch") if info else None,
+            method="each candidate: the criterion on validate.plan(workload), then "
+                   f"{measure.METHOD}; the {args.keep} fastest re-timed {args.rounds} rounds "
+                   "interleaved with SDPA flash and cuDNN in the same process (medians over "
+                   "rounds)",
+            versions=info.versions if info else None,
+            candidates=f"best {args.records} of each recorded sweep in tests/data"
+                       + (f" + {args.points}" if args.points else "")
+                       + "; parameters added since a sweep expanded over their domains",
+            rows=rows)
         args.json.write_text(json.dumps(doc, indent=1))
 
     for dtype in args.dtypes.split(","):

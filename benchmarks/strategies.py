@@ -399,18 +399,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  workers=args.workers))
     print(table(results))
     if args.json:
-        doc = {"date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("EVO_COMMIT")
-               or _commit(), "definition": "evaluations until the best valid time is within "
-               f"{args.within:.0%} of the record's optimum (see benchmarks/strategies.py)",
-               "results": results}
+        from evoengine.provenance import header
+
+        doc = header(device=None, driver=None, torch=None,
+                     method="replay of recorded sweeps through evoengine.search.search (no GPU); "
+                     "per strategy and seed, evaluations until the best valid time is within "
+                     f"{args.within:.0%} of the record's optimum; median and IQR over seeds",
+                     header_note="device, driver, torch: none (a CPU replay; each record's "
+                     "own device is in results[].device)", results=results)
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
-
-
-def _commit() -> str | None:
-    from evoengine.provenance import git_commit
-
-    return git_commit()
 
 
 if __name__ == "__main__":

@@ -11,9 +11,6 @@ import pytest
 from evoengine import paths
 from evoengine.provenance import HEADER_KEYS, header
 
-# Being rewritten on the search loop's public API; both still read EVO_COMMIT themselves.
-PENDING = {"benchmarks/strategies.py", "benchmarks/retime.py"}
-
 
 def test_header_leads_with_its_keys_then_what_the_file_is_about(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,5 +33,5 @@ def test_the_commit_is_looked_up_only_by_provenance() -> None:
     it replaced disagreed (``unknown``, 12 digits, no ``-dirty``, EVO_COMMIT or not)."""
     copies = re.compile(r"\[\s*\"git\"|EVO_COMMIT")
     found = [name for name, text in tool_sources().items()
-             if name not in {"evoengine/provenance.py", *PENDING} and copies.search(text)]
+             if name not in {"evoengine/provenance.py"} and copies.search(text)]
     assert found == []
