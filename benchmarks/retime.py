@@ -103,7 +103,8 @@ def main() -> None:
             torch=info.versions.get("torch") if info else None,
             method="each candidate: the criterion on validate.plan(workload), then "
                    f"{measure.METHOD}; the {args.keep} fastest re-timed {args.rounds} rounds "
-                   "interleaved with SDPA flash and cuDNN in the same process (medians over "
+                   "interleaved with SDPA flash and cuDNN (and FlashAttention-4 where it "
+                   "imports, eager) in the same process (medians over "
                    "rounds)",
             versions=info.versions if info else None,
             candidates=f"best {args.records} of each recorded sweep in tests/data"
@@ -137,7 +138,7 @@ def main() -> None:
             best = min(zip(final["candidates"], top, strict=True),
                        key=lambda x: x[0]["median_us"])
             t, (search_us, cand, compiled) = best
-            flash, cudnn = final["flash"], final["cudnn"]
+            flash, cudnn, fa4 = final["flash"], final["cudnn"], final.get("fa4")
             row = {
                 "family": cand.family, "shape": [w.batch, w.heads, w.seq_q, w.head_dim],
                 "kv_heads": w.kv_heads, "seq_k": w.seq_k, "causal": w.causal, "dtype": dtype,
@@ -145,6 +146,7 @@ def main() -> None:
                 "sdpa_flash_us": flash, "sdpa_cudnn_us": cudnn,
                 "vs_flash": flash / t["median_us"] if flash else None,
                 "vs_cudnn": cudnn / t["median_us"] if cudnn else None,
+                "fa4_us": fa4, "vs_fa4": fa4 / t["median_us"] if fa4 else None,
                 "tflops": w.flops() / t["median_us"] / 1e6, "params": cand.params,
                 "identity": cand.identity, "registers": compiled.registers,
                 "spill_bytes": compiled.spill_bytes, "candidates": len(cands),
@@ -156,7 +158,8 @@ def main() -> None:
             write()
             print(f"{dtype} {text:22} ours {row['ours_us']:8.1f} us  flash {flash or 0:8.1f}  "
                   f"cudnn {cudnn or 0:8.1f}  x{row['vs_flash'] or 0:.2f} flash  "
-                  f"x{row['vs_cudnn'] or 0:.2f} cudnn  {row['tflops']:.0f} TFLOPS  "
+                  f"x{row['vs_cudnn'] or 0:.2f} cudnn  fa4 {fa4 or 0:8.1f}  "
+                  f"x{row['vs_fa4'] or 0:.3f} fa4  {row['tflops']:.0f} TFLOPS  "
                   f"({len(timed)}/{len(cands)} valid)  {cand.params}", flush=True)
 
 

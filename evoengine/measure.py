@@ -220,3 +220,54 @@ def time_sdpa(workload: Workload, sets: Sequence[tuple[torch.Tensor, ...]], back
             return time_calls(sdpa_call(workload, sets), len(sets), **kw)
     except RuntimeError:
         return None
+
+
+# ---- FlashAttention-4 (CuTe DSL), where it imports ------------------------------------------
+# Not a dependency: it is timed as an anchor when ``flash_attn.cute`` imports (a GPU box that
+# installed it, e.g. through ../shared/device/fa4.sh) and skipped, once said, when it does not.
+
+_FA4_MISSING: list[str] = []
+
+
+def fa4_attention() -> Callable[..., Any] | None:
+    """FlashAttention-4's ``flash_attn_func`` (BSHD tensors, ``causal=``, bottom-right like
+    ours), or None, saying why once on stderr."""
+    try:
+        from flash_attn.cute import flash_attn_func  # type: ignore[import-not-found]
+    except Exception as e:  # noqa: BLE001 - any failure to import means "not here"
+        if not _FA4_MISSING:
+            import sys
+
+            _FA4_MISSING.append(f"{type(e).__name__}: {e}")
+            print(f"evoengine: FlashAttention-4 not timed ({_FA4_MISSING[0]})", file=sys.stderr)
+        return None
+    return flash_attn_func
+
+
+def fa4_output(result: Any) -> Any:
+    """The output tensor of a ``flash_attn_func`` call (some versions return (out, lse))."""
+    return result[0] if isinstance(result, tuple) else result
+
+
+def time_fa4(workload: Workload, sets: Sequence[tuple[torch.Tensor, ...]],
+             **kw: Any) -> Timing | None:
+    """Time FlashAttention-4's forward on the sets (q, k, v as BSHD views of our BHSD
+    tensors: a transpose, no copy); None where it does not import or cannot run the workload.
+    Never by graph replay: its JIT-compiled launches are not known to capture."""
+    fn = fa4_attention()
+    if fn is None or kw.get("graph"):
+        return None
+    kw["graph"] = False
+    causal = workload.causal
+
+    def call(i: int) -> None:
+        q, k, v = (x.transpose(1, 2) for x in sets[i][:3])
+        fn(q, k, v, causal=causal)
+    try:
+        call(0)  # the first call compiles
+        return time_calls(call, len(sets), **kw)
+    except (RuntimeError, ValueError, TypeError, AssertionError) as e:
+        import sys
+
+        print(f"evoengine: FlashAttention-4 cannot run {workload.key()}: {e}", file=sys.stderr)
+        return None

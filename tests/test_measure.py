@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from evoengine import measure, paths
 
 
@@ -25,3 +27,18 @@ def test_the_method_is_spelled_out_only_in_measure() -> None:
     found = [f.relative_to(paths.ROOT).as_posix() for f in files
              if f.name != "measure.py" and copies.search(f.read_text())]
     assert found == []
+
+
+def test_flashattention4_is_skipped_with_one_note_where_it_does_not_import(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from evoengine import measure
+    from evoengine.workload import Workload
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails as if absent
+    monkeypatch.setattr(measure, "_FA4_MISSING", [])
+    w = Workload(1, 2, 64, 64)
+    assert measure.fa4_attention() is None and measure.time_fa4(w, []) is None
+    err = capsys.readouterr().err
+    assert err.count("FlashAttention-4 not timed") == 1

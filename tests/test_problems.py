@@ -15,7 +15,7 @@ def test_the_forward_is_registered_under_its_kind() -> None:
     fwd = problems.problem("fwd")
     assert isinstance(fwd, Problem) and fwd.kind == "fwd" == Workload.kind
     assert problems.problem_of(Workload(1, 2, 3, 64)) is fwd
-    assert fwd.anchors == ("flash", "cudnn")
+    assert fwd.anchors == ("flash", "cudnn", "fa4")
 
 
 def test_an_unknown_kind_is_refused_by_name() -> None:

@@ -11,6 +11,7 @@ backward, timed as ``torch.autograd.grad`` of an output whose forward graph is k
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -58,15 +59,15 @@ class Backward(Forward):
 
     kind = "bwd"
     summary = "attention backward: dq, dk, dv from q, k, v, out, log-sum-exp and dout"
-    anchors = ("flash", "cudnn")  # SDPA's backward, by backend
+    anchors = ("flash", "cudnn", "fa4")  # SDPA's backward by backend; FA4's where it imports
 
     def method(self) -> str:
         from evoengine import measure
 
         return (f"{measure.TIMING}, no graph replay, {measure.INPUTS}; ours: the pre, main and "
                 "post kernels per call; elites re-timed interleaved with SDPA's flash and cuDNN "
-                "backward (torch.autograd.grad of the output, the forward's graph kept), median "
-                "of the rounds' medians")
+                "backward and FlashAttention-4's where it imports (torch.autograd.grad of the "
+                "output, the forward's graph kept), median of the rounds' medians")
 
     def workload_from_dict(self, data: Mapping[str, Any]) -> BackwardWorkload:
         return BackwardWorkload.from_dict(dict(data))  # type: ignore[return-value]
@@ -138,24 +139,35 @@ class Backward(Forward):
 
         from evoengine import measure
 
-        if workload.causal and workload.seq_q != workload.seq_k:
+        if anchor == "fa4":
+            fn = measure.fa4_attention()
+            if fn is None:
+                return None
+            forward = lambda q, k, v: measure.fa4_output(  # noqa: E731
+                fn(*(x.transpose(1, 2) for x in (q, k, v)), causal=workload.causal))
+            context: Any = contextlib.nullcontext()
+        elif workload.causal and workload.seq_q != workload.seq_k:
             return None  # SDPA's is_causal aligns top-left; ours is bottom-right
+        else:
+            gqa = workload.kv_heads != workload.heads
+            forward = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                q, k, v, is_causal=workload.causal, enable_gqa=gqa)
+            context = measure.sdpa_backend(anchor)
         timing["graph"] = False
-        gqa = workload.kv_heads != workload.heads
         try:
-            with measure.sdpa_backend(anchor):
+            with context:
                 graphs = []
                 for q, k, v, _out, _lse, dout, *_ in sets:
                     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-                    out = torch.nn.functional.scaled_dot_product_attention(
-                        *leaves, is_causal=workload.causal, enable_gqa=gqa)
-                    graphs.append((out, leaves, dout))
+                    out = forward(*leaves)
+                    graphs.append((out, leaves, dout if anchor != "fa4" else
+                                   dout.transpose(1, 2)))
 
                 def call(i: int) -> None:
                     out, leaves, dout = graphs[i]
                     torch.autograd.grad(out, leaves, dout, retain_graph=True)
                 return measure.time_calls(call, len(sets), **timing)
-        except RuntimeError:
+        except (RuntimeError, ValueError, TypeError, AssertionError):
             return None
 
 

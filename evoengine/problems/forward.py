@@ -26,13 +26,14 @@ if TYPE_CHECKING:
 class Forward(Problem):
     kind = "fwd"
     summary = "attention forward: out (and log-sum-exp) from q, k, v"
-    anchors = ("flash", "cudnn")  # SDPA's backends
+    anchors = ("flash", "cudnn", "fa4")  # SDPA's backends; FlashAttention-4 where it imports
 
     def method(self) -> str:
         from evoengine import measure
 
-        return (f"{measure.METHOD}; elites re-timed interleaved with SDPA flash and cuDNN, "
-                "median of the rounds' medians")
+        return (f"{measure.METHOD}; elites re-timed interleaved with SDPA flash and cuDNN "
+                "(and FlashAttention-4's flash_attn_func on BSHD views, eager, where it "
+                "imports), median of the rounds' medians")
 
     def workload_from_dict(self, data: Mapping[str, Any]) -> Workload:
         return Workload.from_dict(dict(data))
@@ -82,4 +83,6 @@ class Forward(Problem):
                     **timing: Any) -> Timing | None:
         from evoengine import measure
 
+        if anchor == "fa4":
+            return measure.time_fa4(workload, sets, **timing)
         return measure.time_sdpa(workload, sets, anchor, **timing)

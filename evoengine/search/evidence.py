@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from evoengine._version import __version__
@@ -121,15 +121,14 @@ class Evidence:
         for (candidate, _), t in zip(entries, timed["candidates"], strict=True):
             if "median_us" not in t:
                 continue
-            r = row(w, candidate, t["median_us"], timed.get("flash"), timed.get("cudnn"))
+            r = row(w, candidate, t["median_us"], timed)
             r["spread_us"] = t["spread_us"]
             rows.append(r)
             self.store.add_measurement(self.run_id, candidate.identity, ok=True,
                                        median_us=t["median_us"], spread_us=t["spread_us"],
                                        tflops=w.flops() / t["median_us"] / 1e6,
                                        extra={"phase": "final", "rounds": t.get("rounds"),
-                                              "sdpa_flash_us": timed.get("flash"),
-                                              "sdpa_cudnn_us": timed.get("cudnn")})
+                                              **anchor_times(timed)})
         rows.sort(key=lambda r: r["ours_us"])
         if rows:
             self.store.set_elites(arch=self.arch, workload_key=self.key,
@@ -144,18 +143,31 @@ class Evidence:
             point = self.domain.point(identity)
             if point is not None:
                 rows.append(row(self.domain.workload, self.domain.candidate(*point), us,
-                                baseline.get("flash"), baseline.get("cudnn")))
+                                baseline))
         return rows
 
 
-def row(w: Workload, candidate: Candidate, us: float, flash: float | None,
-        cudnn: float | None) -> dict[str, Any]:
-    """One result row: the point, its time and TFLOPS, and SDPA's times beside it."""
+# The results-row key of each anchor's time (the anchors are the problem's: evoengine.problems).
+ANCHOR_KEYS = {"flash": "sdpa_flash_us", "cudnn": "sdpa_cudnn_us", "fa4": "fa4_us"}
+
+
+def anchor_times(timed: Mapping[str, Any]) -> dict[str, float | None]:
+    """The anchors' times of a re-time or baseline as row keys: SDPA's two always (None where
+    one could not run), FlashAttention-4's where it was timed."""
+    out = {"sdpa_flash_us": timed.get("flash"), "sdpa_cudnn_us": timed.get("cudnn")}
+    if "fa4" in timed:
+        out["fa4_us"] = timed["fa4"]
+    return out
+
+
+def row(w: Workload, candidate: Candidate, us: float,
+        anchors: Mapping[str, Any]) -> dict[str, Any]:
+    """One result row: the point, its time and TFLOPS, and the anchors' times beside it."""
     return {
         "kind": w.kind, "direction": "bwd" if w.kind == "bwd" else "fwd",
         "family": candidate.family, "shape": [w.batch, w.heads, w.seq_q, w.head_dim],
         "kv_heads": w.kv_heads, "seq_k": w.seq_k, "causal": w.causal, "dtype": w.dtype,
-        "ours_us": us, "sdpa_flash_us": flash, "sdpa_cudnn_us": cudnn,
+        "ours_us": us, **anchor_times(anchors),
         "tflops": w.flops() / us / 1e6, "params": candidate.params,
         "identity": candidate.identity,
     }
