@@ -16,6 +16,24 @@ kv_group, total_tiles, o_sb, o_sh, o_ss, scale_log2, tile_counter)`` on a 1-D gr
 (through ctypes) over (head_dim, seq, heads, batch) with the tensors' own strides.
 ``tile_counter`` (int32*) is where a dynamically scheduled kernel draws its tiles: a fresh
 zero per launch, allocated on the launch's stream; null for every other kernel.
+
+Backward ABI (mma_bwd, wgmma_bwd): three kernels of one cubin, launched in order on torch's
+current stream (``CudaBackward``); the first and last are one source for every backward family
+(``templates/common/bwd_prepost.cuh``):
+
+- ``attn_bwd_pre(O, dO, LSE, LSE2, DELTA, dQacc, seq_q, heads, seq_q_pad, o_sb, o_sh, o_ss,
+  do_sb, do_sh, do_ss)`` on (ceil(seq_q_pad / 32), heads, batch) blocks of 256 threads: per
+  query row, delta = rowsum(dO * O) and the log-sum-exp in base 2, padded to whole query
+  blocks (seq_q_pad); zeroes the fp32 dQ accumulator (dQacc, null when dQ is stored in parts);
+- ``attn_bwd(Q, K, V, dO, LSE2, DELTA, dQacc, dQpart, dK, dV, seq_q, seq_k, heads, kv_group,
+  seq_q_pad, <q, k, v, dO, dK, dV strides: batch, head, seq each>, scale, scale_log2)`` on
+  (ceil(seq_k / block_n), kv_heads, batch) blocks of the candidate's threads and shared memory:
+  dK and dV (summed over each key/value head's query heads), and dQ added into dQacc with
+  atomics, or, when dQpart is given, stored per key block into dQpart [key blocks, B, H, Sq, D]
+  (fp32);
+- ``attn_bwd_post(dQacc, dQpart, dQ, seq_q, seq_k, heads, dq_sb, dq_sh, dq_ss, scale)`` on
+  (ceil(seq_q * head_dim / 8 / 256), heads, batch) blocks of 256 threads: dQ to fp16/bf16,
+  scaled, the parts summed in key order.
 """
 
 from __future__ import annotations
@@ -125,11 +143,17 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, head_dim: int | None = None
     return Problem(b, h, hkv, sq, sk, d)
 
 
+def _rows_aligned(t: Tensor) -> bool:
+    """A contiguous last dim, other strides a multiple of 8 values, a 16-byte aligned start."""
+    strides = t.stride()
+    return strides[-1] == 1 and not any(s % 8 for s in strides[:-1]) and not t.data_ptr() % 16
+
+
 def check_out(out: Tensor, q: Tensor, lse: Tensor | None, p: Problem) -> None:
     """Reject an output buffer (and log-sum-exp buffer) that the kernel cannot write."""
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"out must match q: {tuple(q.shape)} {q.dtype} on {q.device}")
-    if out.stride(-1) != 1 or any(s % 8 for s in out.stride()[:-1]) or out.data_ptr() % 16:
+    if not _rows_aligned(out):
         raise ValueError("out must have a contiguous last dim and 16-byte aligned rows")
     if lse is not None and (lse.shape != (p.batch, p.heads, p.seq_q) or
                             lse.dtype != torch.float32 or not lse.is_contiguous()
@@ -164,6 +188,38 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
     mask = cols <= rows + (k.shape[2] - q.shape[2])
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return torch.nan_to_num(out, nan=0.0)  # rows with no key: defined as zero
+
+
+def sdpa_attention_grads(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, *, causal: bool,
+                         scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV of ``sdpa_attention`` through torch SDPA's own backward, in the inputs' dtype.
+
+    Causal rows that see no key (the first seq_q - seq_k) are left out of SDPA's call, whose
+    fully masked rows would give NaN, and get the zero gradient they have by definition; the
+    rest keep the bottom-right alignment (their count equals seq_k).
+    """
+    first = max(0, q.shape[2] - k.shape[2]) if causal else 0
+
+    def grads() -> tuple[Tensor, ...]:
+        with torch.enable_grad():
+            qs = q[:, :, first:].detach().requires_grad_()
+            ks, vs = k.detach().requires_grad_(), v.detach().requires_grad_()
+            out = sdpa_attention(qs, ks, vs, causal=causal, scale=scale)
+            return torch.autograd.grad(out, (qs, ks, vs), dout[:, :, first:])
+
+    gq, gk, gv = grads()
+    if not all(bool(torch.isfinite(g).all()) for g in (gq, gk, gv)):
+        # Seen on the H100 (2026-11-24): SDPA's fused backward gives NaN for a negative
+        # scale; its math backend, in the same dtype, serves then.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.MATH]):
+            gq, gk, gv = grads()
+    if not first:
+        return gq, gk, gv
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dq[:, :, first:] = gq
+    return dq, gk, gv
 
 
 # ---- devices ------------------------------------------------------------------------------
@@ -522,6 +578,177 @@ def _check_grid(p: Problem) -> None:
     if p.heads > _MAX_GRID_YZ or p.batch > _MAX_GRID_YZ:
         raise ValueError(f"batch and heads must be at most {_MAX_GRID_YZ} (CUDA grid limit), "
                          f"got batch {p.batch}, heads {p.heads}")
+
+
+# ---- the backward pass ----------------------------------------------------------------------
+
+BACKWARD_ENTRIES = ("attn_bwd_pre", "attn_bwd", "attn_bwd_post")
+# The launch shapes of the first and last kernels, as the template's cfg::PRE_THREADS,
+# PRE_ROWS and POST_THREADS (tests/test_backward.py reads them from a rendered source).
+PRE_THREADS = 256
+PRE_ROWS = 32
+POST_THREADS = 256
+
+
+class ParamBuffer:
+    """One kernel's parameter layout: fields at their natural alignment, as the kernel's
+    parameter space lays them out (``codes``: struct letters, Q a pointer, q an int64, i an
+    int32, f a float)."""
+
+    def __init__(self, codes: str) -> None:
+        fmt, offsets, at = "=", [], 0
+        for code in codes:
+            size = struct.calcsize("=" + code)
+            pad = -at % size
+            fmt += f"{pad}x{code}" if pad else code
+            offsets.append(at + pad)
+            at += pad + size
+        self.struct = struct.Struct(fmt)
+        self.offsets = tuple(offsets)
+
+    def pack(self, *values: Any) -> tuple[Any, Any]:
+        """(buffer, pointer array that cuLaunchKernel takes); both must live until the launch
+        has been enqueued."""
+        buf = ctypes.create_string_buffer(self.struct.size)
+        self.struct.pack_into(buf, 0, *values)
+        base = ctypes.addressof(buf)
+        argv = (ctypes.c_void_p * len(self.offsets))(*(base + o for o in self.offsets))
+        return buf, argv
+
+
+BWD_PRE_ARGS = ParamBuffer("QQQQQQ" + "iii" + "q" * 6)
+BWD_MAIN_ARGS = ParamBuffer("Q" * 10 + "i" * 5 + "q" * 18 + "ff")
+BWD_POST_ARGS = ParamBuffer("QQQ" + "iii" + "qqq" + "f")
+
+
+def check_like(name: str, t: object, like: Tensor, like_name: str) -> Tensor:
+    """``t`` must have ``like``'s shape, dtype and device, a contiguous last dim and 16-byte
+    aligned rows (any other strides)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
+        raise ValueError(f"{name} must match {like_name}: {tuple(like.shape)} {like.dtype} on "
+                         f"{like.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if not _rows_aligned(t):
+        raise ValueError(f"{name} must have a contiguous last dim and 16-byte aligned rows, "
+                         f"got strides {t.stride()}")
+    return t
+
+
+class CudaBackward:
+    """One backward kernel (three entries of one cubin or source):
+    ``kernel(q, k, v, out, lse, dout, causal=...) -> (dq, dk, dv)``.
+
+    ``out`` and ``lse`` are the forward's output and natural-log log-sum-exp (float32
+    [B, H, Sq], contiguous; -inf on rows that see no key), as the forward kernels write them.
+    ``deterministic=True`` (or a kernel built with ``dq_accum="separate"``) stores dQ per key
+    block and sums the parts in order: bit-identical results run to run, at the cost of one
+    fp32 dQ per key block of workspace. Loads on first use per device.
+    """
+
+    def __init__(self, name: str, *, head_dim: int, dtype: str, causal: bool, block_m: int,
+                 block_n: int, threads: int, smem_bytes: int, dq_accum: str,
+                 arch: str | None = None, cubin: bytes | None = None,
+                 source: str | None = None,
+                 defines: Mapping[str, int] | None = None) -> None:
+        if dq_accum not in ("atomic", "separate"):
+            raise ValueError(f"kernel {name}: dq_accum must be 'atomic' or 'separate', "
+                             f"got {dq_accum!r}")
+        common: dict[str, Any] = dict(head_dim=head_dim, dtype=dtype, causal=causal,
+                                      block_m=block_m, arch=arch, cubin=cubin, source=source,
+                                      defines=defines)
+        pre, main, post = BACKWARD_ENTRIES
+        self.pre = CudaKernel(f"{name}:{pre}", threads=PRE_THREADS, smem_bytes=0, entry=pre,
+                              **common)
+        self.main = CudaKernel(name, threads=threads, smem_bytes=smem_bytes, entry=main,
+                               **common)
+        self.post = CudaKernel(f"{name}:{post}", threads=POST_THREADS, smem_bytes=0,
+                               entry=post, **common)
+        self.name = name
+        self.head_dim, self.dtype, self.causal = self.main.head_dim, dtype, self.main.causal
+        self.block_m, self.block_n = self.main.block_m, int(block_n)
+        self.dq_accum = dq_accum
+
+    def __repr__(self) -> str:
+        return f"CudaBackward({self.name!r})"
+
+    def load(self, index: int) -> None:
+        """Load the three kernels on CUDA device ``index`` (once each); raises
+        ``NoKernelError`` where they cannot run."""
+        for kernel in (self.pre, self.main, self.post):
+            kernel.load(index)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 dout: Tensor, *, causal: bool, scale: float | None = None,
+                 dq: Tensor | None = None, dk: Tensor | None = None, dv: Tensor | None = None,
+                 deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """Gradients of attention(q, k, v) for the output gradient ``dout``, written into
+        ``dq``, ``dk``, ``dv`` where given (any strides, contiguous last dim)."""
+        p = check_inputs(q, k, v, head_dim=self.head_dim, dtype=self.dtype)
+        _check_grid(p)
+        if bool(causal) != self.causal:
+            raise ValueError(f"this kernel is compiled for causal={self.causal}, "
+                             f"got causal={bool(causal)}")
+        check_like("out", out, q, "q")
+        check_like("dout", dout, q, "q")
+        if not isinstance(lse, Tensor):
+            raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
+        if (lse.shape != (p.batch, p.heads, p.seq_q) or lse.dtype != torch.float32
+                or not lse.is_contiguous() or lse.device != q.device):
+            raise ValueError(f"lse must be a contiguous float32 [{p.batch}, {p.heads}, "
+                             f"{p.seq_q}] on {q.device}, got {tuple(lse.shape)} {lse.dtype} "
+                             f"on {lse.device}")
+        scale = softmax_scale(scale, p.head_dim)
+        new = dict(memory_format=torch.contiguous_format)
+        dq = torch.empty_like(q, **new) if dq is None else check_like("dq", dq, q, "q")
+        dk = torch.empty_like(k, **new) if dk is None else check_like("dk", dk, k, "k")
+        dv = torch.empty_like(v, **new) if dv is None else check_like("dv", dv, v, "v")
+        self.launch(q, k, v, out, lse, dout, dq, dk, dv, scale=scale,
+                    deterministic=bool(deterministic))
+        return dq, dk, dv
+
+    def launch(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+               dq: Tensor, dk: Tensor, dv: Tensor, *, scale: float,
+               deterministic: bool) -> None:
+        """Launch the three kernels on torch's current stream, without checks."""
+        b, h, sq, d = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        index = q.get_device()
+        pre, main, post = (kernel.load(index) for kernel in (self.pre, self.main, self.post))
+        stream = _raw_stream(index)
+        seq_q_pad = -(-sq // self.block_m) * self.block_m
+        n_blocks = -(-sk // self.block_n)
+        # Workspace, from torch's stream-ordered allocator: dropped after the launches are
+        # enqueued, its memory goes only to work ordered after them on this stream.
+        rows = torch.empty((2, b, h, seq_q_pad), dtype=torch.float32, device=q.device)
+        lse2, delta = rows[0], rows[1]
+        if deterministic or self.dq_accum == "separate":
+            acc = None
+            part = torch.empty((n_blocks, b, h, sq, d), dtype=torch.float32, device=q.device)
+        else:
+            acc = torch.empty((b, h, sq, d), dtype=torch.float32, device=q.device)
+            part = None
+        acc_ptr = 0 if acc is None else acc.data_ptr()
+        part_ptr = 0 if part is None else part.data_ptr()
+
+        args = BWD_PRE_ARGS.pack(out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
+                                 lse2.data_ptr(), delta.data_ptr(), acc_ptr, sq, h, seq_q_pad,
+                                 *out.stride()[:3], *dout.stride()[:3])
+        _launch_in_context(pre, (pre.fn, -(-seq_q_pad // PRE_ROWS), h, b, PRE_THREADS, 1, 1,
+                                 0, stream, ctypes.addressof(args[1]), 0))
+        strides = [s for t in (q, k, v, dout, dk, dv) for s in t.stride()[:3]]
+        args = BWD_MAIN_ARGS.pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(),
+                                  lse2.data_ptr(), delta.data_ptr(), acc_ptr, part_ptr,
+                                  dk.data_ptr(), dv.data_ptr(), sq, sk, h, h // hkv, seq_q_pad,
+                                  *strides, scale, scale * LOG2E)
+        _launch_in_context(main, (main.fn, n_blocks, hkv, b, self.main.threads, 1, 1,
+                                  self.main.smem_bytes, stream, ctypes.addressof(args[1]), 0))
+        args = BWD_POST_ARGS.pack(acc_ptr, part_ptr, dq.data_ptr(), sq, sk, h,
+                                  *dq.stride()[:3], scale)
+        chunks = sq * (d // 8)
+        _launch_in_context(post, (post.fn, -(-chunks // POST_THREADS), h, b, POST_THREADS, 1, 1,
+                                  0, stream, ctypes.addressof(args[1]), 0))
+        del rows, acc, part  # only now: every launch has read their addresses
 
 
 # ---- what an export carries -----------------------------------------------------------------

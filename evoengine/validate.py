@@ -196,34 +196,12 @@ def reference_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
 
 def sdpa_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
                causal: bool, scale: float | None = None) -> Grads:
-    """dQ, dK, dV of torch SDPA's own backward in the inputs' dtype: the baseline error.
+    """dQ, dK, dV of torch SDPA's own backward in the inputs' dtype: the baseline error (the
+    SDPA fallback of exported modules' backward is this same function). Causal rows that see
+    no key get the zero gradient they have by definition, not SDPA's NaN."""
+    from evoengine._standalone import sdpa_attention_grads
 
-    Causal rows that see no key (the first seq_q - seq_k) are left out of SDPA's call, whose
-    fully masked rows would give NaN, and get the zero gradient they have by definition; the
-    rest keep the bottom-right alignment (their count equals seq_k).
-    """
-    import torch
-
-    first = max(0, q.shape[2] - k.shape[2]) if causal else 0
-
-    def grads() -> tuple[torch.Tensor, ...]:
-        with torch.enable_grad():
-            qs = q[:, :, first:].detach().requires_grad_()
-            ks, vs = k.detach().requires_grad_(), v.detach().requires_grad_()
-            out = sdpa(qs, ks, vs, causal=causal, scale=scale)
-            return torch.autograd.grad(out, (qs, ks, vs), dout[:, :, first:])
-
-    gq, gk, gv = grads()
-    if not all(bool(torch.isfinite(g).all()) for g in (gq, gk, gv)):
-        # Seen on the H100 (2026-11-24): SDPA's fused backward gives NaN for a negative
-        # scale; its math backend, in the same dtype, is the baseline then.
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel([SDPBackend.MATH]):
-            gq, gk, gv = grads()
-    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    dq[:, :, first:] = gq
-    return dq, gk, gv
+    return sdpa_attention_grads(q, k, v, dout, causal=causal, scale=scale)
 
 
 def judge_grads(grads: Grads, refs: Grads, baselines: Grads, *,

@@ -1,7 +1,7 @@
 """Tests of evoengine.backward that need no GPU: the mma_bwd family compiles for every target
 and wgmma_bwd for sm_90a without spills (wgmma's HGMMA in its SASS, where cuobjdump is found),
-the launcher's parameter buffers match both families' kernel signatures, and the input
-checks name what is wrong in one line.
+the launcher's parameter buffers (``_standalone.CudaBackward``) match both families' kernel
+signatures, and the input checks name what is wrong in one line.
 
 As in tests/test_runtime.py, CPU tensors wrapped in a subclass that reports ``is_cuda`` reach
 the checks after the device one.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evoengine import backward, paths
+from evoengine import _standalone, backward, paths
 from evoengine.arch import get_arch
 from evoengine.backward import BackwardKernel
 from evoengine.compile import CompileResult, compile_many, cuobjdump_path
@@ -55,7 +55,7 @@ def test_spread_points_compile_without_spills(arch: str, cache: Path) -> None:
     for c, r in zip(cands, compile_many(cands, target, workers=2), strict=True):
         assert r.ok, f"{c.identity}: {r.error}"
         assert r.spill_bytes == 0 and r.stack_bytes == 0, f"{c.identity} spills: {r}"
-        for entry in backward.ENTRIES:
+        for entry in backward.BACKWARD_ENTRIES:
             assert f"Compiling entry function '{entry}'" in r.log
 
 
@@ -86,7 +86,7 @@ def test_wgmma_bwd_spread_points_compile_to_hgmma_without_spills(cache: Path) ->
         assert r.ok, f"{c.identity}: {r.error}"
         assert r.spill_bytes == 0 and r.stack_bytes == 0, f"{c.identity} spills: {r}"
         assert "serialized" not in r.log, r.log
-        for entry in backward.ENTRIES:
+        for entry in backward.BACKWARD_ENTRIES:
             assert f"Compiling entry function '{entry}'" in r.log
         if CUOBJDUMP is None:
             continue
@@ -145,8 +145,8 @@ def signature(source: str, entry: str) -> str:
 def test_parameter_buffers_match_the_kernel_signatures(family: str) -> None:
     point, arch = POINTS[family]
     src = render(make_candidate(space(family), point, PROBLEM, get_arch(arch)))
-    packs = (backward._PRE, backward._MAIN, backward._POST)
-    for entry, pack in zip(backward.ENTRIES, packs, strict=True):
+    packs = (_standalone.BWD_PRE_ARGS, _standalone.BWD_MAIN_ARGS, _standalone.BWD_POST_ARGS)
+    for entry, pack in zip(backward.BACKWARD_ENTRIES, packs, strict=True):
         codes = signature(src, entry)
         assert len(codes) == len(pack.offsets)
         assert pack.struct.format.replace("4x", "").lstrip("=") == codes, entry
@@ -159,9 +159,9 @@ def test_launch_shapes_match_the_template(family: str) -> None:
     point, arch = POINTS[family]
     src = render(make_candidate(space(family), point, PROBLEM, get_arch(arch)))
     for name in ("PRE_THREADS", "POST_THREADS"):
-        assert f"constexpr int {name} = {getattr(backward, name)};" in src
+        assert f"constexpr int {name} = {getattr(_standalone, name)};" in src
     assert "constexpr int PRE_ROWS = PRE_THREADS / 8;" in src
-    assert backward.PRE_ROWS == backward.PRE_THREADS // 8
+    assert _standalone.PRE_ROWS == _standalone.PRE_THREADS // 8
 
 
 def test_families_share_the_first_and_last_kernels() -> None:
