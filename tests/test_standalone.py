@@ -2,6 +2,8 @@
 imports, the integrity check, the dispatch rule, and the errors raised before any launch.
 
 Input checks shared with the runtime are tested in test_runtime.py; launches in tests/gpu.
+The autograd formula is exercised here with fake launches (torch on the CPU, tensors that say
+they are CUDA), so what reaches the backward kernel and what comes back is checked in CI.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from evoengine import _standalone as sa
 from evoengine._standalone import (
+    CudaBackward,
     CudaKernel,
     Entry,
     IntegrityError,
@@ -28,6 +31,7 @@ from evoengine._standalone import (
     nearest,
     pack_cubin,
     sdpa_attention,
+    sdpa_attention_grads,
     sha256,
     unpack_cubin,
 )
@@ -277,3 +281,151 @@ def test_a_source_is_built_with_the_launchers_nvrtc_options(
     kernel._compile("sm_90a", 1000)
     assert seen["options"] == (*sa.NVRTC_OPTIONS, "-arch=sm_90a", "-DHEAD_DIM=64",
                                "-DEVO_SMEM_LIMIT=1000")
+
+
+# ---- the backward pass ------------------------------------------------------------------------
+
+def backward_kernel(head_dim: int = 16, dtype: str = "fp16", causal: bool = True) -> CudaBackward:
+    return CudaBackward(f"b-{dtype}-{head_dim}-{int(causal)}", head_dim=head_dim, dtype=dtype,
+                        causal=causal, block_m=64, block_n=64, threads=256, smem_bytes=0,
+                        dq_accum="atomic", source="// never compiled here")
+
+
+def test_backward_spec_builds_the_backward_launcher() -> None:
+    k = kernel_from_spec(spec(kind="bwd", name="mma_bwd-x", threads=256, smem_bytes=40960,
+                              params={"BLOCK_N": 128, "DQ_ACCUM": "separate"}), "sm_90a")
+    assert isinstance(k, CudaBackward) and (k.block_m, k.block_n, k.dq_accum) == (
+        64, 128, "separate")
+    assert [x.entry for x in (k.pre, k.main, k.post)] == list(sa.BACKWARD_ENTRIES)
+    assert (k.main.threads, k.main.smem_bytes, k.pre.threads) == (256, 40960, sa.PRE_THREADS)
+    assert k.main.cubin == k.pre.cubin == b"\x7fELF cubin bytes"
+    assert isinstance(kernel_from_spec(spec(), "sm_90a"), CudaKernel)  # no kind: a forward
+    with pytest.raises(ValueError, match="kernel mma-x is of kind 'decode'; this launcher "
+                                         "knows fwd, bwd"):
+        kernel_from_spec(spec(kind="decode"), "sm_90a")
+
+
+def test_backward_entries_form_a_second_table() -> None:
+    fwd = [kernel(), kernel(128, "bf16", True)]
+    bwd = [backward_kernel(64, "fp16", False)]
+    entries = [E(512, kernel=0), E(1024, kernel=1, key=("bf16", 128, True)),
+               sa.Entry(2, "fp16", 64, False, 2048, 2048, 1, 8, kind="bwd")]
+    tuned = TunedAttention([*fwd, *bwd], entries, namespace="evotest_tables")
+    assert list(tuned.table) == [("bf16", 128, True), ("fp16", 64, False)]
+    assert list(tuned.backward_table) == [("fp16", 64, False)]
+    assert tuned.select("fp16", 64, False, 9, 9, kind="bwd").seq_k == 2048
+    assert tuned.select("bf16", 128, True, 9, 9, kind="bwd") is None
+    assert "backward for fp16 head_dim 64 non-causal" in repr(tuned)
+    with pytest.raises(ValueError, match="names kernel k-fp16-64-0, which is compiled for "
+                                         "another problem"):
+        TunedAttention([kernel()], [sa.Entry(0, "fp16", 64, False, 512, 512, 1, 8, kind="bwd")],
+                       namespace="evotest_bad_kind")
+
+
+class Launches:
+    """Fake launches on CPU tensors: the forward writes SDPA's output and a made-up lse, the
+    backward SDPA's gradients; each records what it was given."""
+
+    LSE = 0.25
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fwd: CudaKernel,
+                 bwd: CudaBackward | None) -> None:
+        self.forward: list[dict] = []
+        self.backward: list[dict] = []
+        for k in (fwd, bwd):
+            if k is not None:
+                monkeypatch.setattr(k, "load", lambda index: None)
+        monkeypatch.setattr(fwd, "launch", self.launch_forward)
+        if bwd is not None:
+            monkeypatch.setattr(bwd, "launch", self.launch_backward)
+
+    def launch_forward(self, q, k, v, out, lse, p, scale) -> None:  # type: ignore[no-untyped-def]
+        out.copy_(sdpa_attention(q.float(), k.float(), v.float(), causal=True, scale=scale))
+        if lse is not None:
+            lse.fill_(self.LSE)
+        self.forward.append(dict(out=out, lse=lse))
+
+    def launch_backward(self, q, k, v, out, lse, dout, dq, dk, dv, *, scale,  # type: ignore[no-untyped-def]
+                        deterministic) -> None:
+        grads = sdpa_attention_grads(q.float(), k.float(), v.float(), dout.float(),
+                                     causal=True, scale=scale)
+        for d, g in zip((dq, dk, dv), grads, strict=True):
+            d.copy_(g)
+        self.backward.append(dict(out=out, lse=lse.clone(), dout=dout,
+                                  deterministic=deterministic))
+
+
+def leaves(kv_heads: int = 2) -> tuple[torch.Tensor, ...]:
+    """q [1, 4, 8, 16] over k, v [1, kv_heads, 8, 16], fp16 CPU tensors that say CUDA."""
+    g = torch.Generator().manual_seed(0)
+    shapes = ((1, 4, 8, 16), (1, kv_heads, 8, 16), (1, kv_heads, 8, 16))
+    return tuple(cuda_like(torch.randn(*s, generator=g).half()).requires_grad_()
+                 for s in shapes)
+
+
+def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    plain = [x.detach().as_subclass(torch.Tensor).to(dtype) for x in (q, k, v, dout)]
+    return sdpa_attention_grads(*plain, causal=True)
+
+
+def output_grad(like: torch.Tensor) -> torch.Tensor:
+    return torch.randn(like.shape, generator=torch.Generator().manual_seed(1)).half()
+
+
+def test_gradients_flow_through_the_backward_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Autograd through ``attention`` reaches the backward entry with the forward's out and
+    lse; GQA gradients of k and v come back shaped like k and v."""
+    fwd, bwd = kernel(16, "fp16", True), backward_kernel()
+    entries = [E(8, kernel=0, key=("fp16", 16, True)),
+               sa.Entry(1, "fp16", 16, True, 8, 8, 1, 4, kind="bwd")]
+    tuned = TunedAttention([fwd, bwd], entries, namespace="evotest_grad")
+    launches = Launches(monkeypatch, fwd, bwd)
+    q, k, v = leaves()
+    out = tuned(q, k, v, causal=True)
+    dout = output_grad(out)
+    out.backward(cuda_like(dout))
+    (f,), (b,) = launches.forward, launches.backward
+    assert f["lse"] is not None and f["lse"].shape == (1, 4, 8)
+    assert torch.equal(b["lse"], torch.full((1, 4, 8), Launches.LSE))
+    assert b["out"].data_ptr() == f["out"].data_ptr() and b["deterministic"] is False
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == ((1, 4, 8, 16), (1, 2, 8, 16),
+                                                          (1, 2, 8, 16))
+    for got, want in zip((q.grad, k.grad, v.grad), sdpa_reference(q, k, v, dout), strict=True):
+        torch.testing.assert_close(got.as_subclass(torch.Tensor).float(), want, atol=4e-3,
+                                   rtol=0)  # the fake kernel's float32, rounded to fp16
+
+
+def test_grad_free_calls_keep_no_log_sum_exp(monkeypatch: pytest.MonkeyPatch) -> None:
+    fwd = kernel(16, "fp16", True)
+    tuned = TunedAttention([fwd], [E(8, kernel=0, key=("fp16", 16, True))],
+                           namespace="evotest_nograd")
+    launches = Launches(monkeypatch, fwd, None)
+    q, k, v = leaves()
+    with torch.no_grad():
+        tuned(q, k, v, causal=True)
+    out, lse = tuned._op(q.detach(), k.detach(), v.detach(), True, None, None, False, False)
+    assert [f["lse"] for f in launches.forward] == [None, None] and lse.numel() == 0
+
+
+def test_no_backward_kernel_is_one_line_or_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    fwd = kernel(16, "fp16", True)
+    tuned = TunedAttention([fwd, backward_kernel(64, "bf16", False)],
+                           [E(8, kernel=0, key=("fp16", 16, True)),
+                            sa.Entry(1, "bf16", 64, False, 8, 8, 1, 4, kind="bwd")],
+                           namespace="evotest_nobwd")
+    Launches(monkeypatch, fwd, None)
+    q, k, v = leaves()
+    with pytest.raises(NoKernelError) as info:
+        tuned(q, k, v, causal=True).float().sum().backward()
+    assert str(info.value) == (
+        "no tuned backward kernel for torch.float16 head_dim 16 causal; this module has "
+        "backward kernels for: bf16 head_dim 64 non-causal. Pass fallback='sdpa' to run torch "
+        "SDPA for such calls.")
+    assert q.grad is None
+    out = tuned(q, k, v, causal=True, fallback="sdpa")
+    dout = output_grad(out)
+    out.backward(cuda_like(dout))
+    want = sdpa_reference(q, k, v, dout, torch.float16)  # SDPA's backward, in fp16 too
+    for got, w in zip((q.grad, k.grad, v.grad), want, strict=True):
+        assert torch.equal(got.as_subclass(torch.Tensor), w)
