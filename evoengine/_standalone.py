@@ -667,7 +667,7 @@ class CudaBackward:
                                **common)
         self.post = CudaKernel(f"{name}:{post}", threads=POST_THREADS, smem_bytes=0,
                                entry=post, **common)
-        self.name = name
+        self.name, self.arch, self.cubin, self.source = name, arch, cubin, source
         self.head_dim, self.dtype, self.causal = self.main.head_dim, dtype, self.main.causal
         self.block_m, self.block_n = self.main.block_m, int(block_n)
         self.dq_accum = dq_accum

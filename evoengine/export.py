@@ -1,10 +1,12 @@
 """Ship the winners: the store's best kernels as one standalone module, or loaded in-process.
 
 ``export_best`` writes a Python module that needs only torch and cupy: the launcher
-(``_standalone.py``, verbatim), and for each rank-1 elite of the target its rendered CUDA
-source, its cubin for that target, their sha256, its parameters and the workload it won,
-plus a dispatch table over them. ``load`` builds the same callable straight from the store.
-Compiling needs no GPU, so a module for any target can be exported anywhere.
+(``_standalone.py``, verbatim), and for each rank-1 elite of the target, forward or backward,
+its rendered CUDA source, its cubin for that target, their sha256, its parameters, its kind
+and the workload it won, plus a dispatch table over them (one per kind: the backward's serves
+the autograd formula of the module's ``attention``). ``load`` builds the same callable
+straight from the store. Compiling needs no GPU, so a module for any target can be exported
+anywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sqlalchemy as sa
 
 from evoengine import paths
 from evoengine._standalone import (
+    KINDS,
     Entry,
     TunedAttention,
     describe,
@@ -77,9 +80,9 @@ def _workload_of(elite: EliteRecord, run: RunRecord | None) -> Any:
         raise ExportError(f"elite {elite.identity}: cannot tell its workload ({e})") from None
 
 
-# The problem kinds an exported module dispatches today: the forward. Backward elites stay
-# in the store until the module's autograd formula dispatches them (issue #16).
-EXPORTED_KINDS = ("fwd",)
+# The problem kinds an exported module dispatches: the forward, and the backward that its
+# autograd formula launches.
+EXPORTED_KINDS = KINDS
 
 
 def winners(store: Store, arch: Arch, study: str | None = None) -> list[Winner]:
@@ -134,6 +137,10 @@ def kernel_specs(found: list[Winner], arch: Arch) -> tuple[list[dict[str, Any]],
                 raise ExportError(f"elite {identity}: {e}") from None
         # A point stored before a parameter was added takes its legacy value (space.py).
         space = spaces[rec.family]
+        won = {w.workload.kind for w in found if w.elite.identity == identity}
+        if won != {space.kind}:
+            raise ExportError(f"elite {identity} is a {space.kind} kernel but won "
+                              f"{', '.join(sorted(won))} workloads")
         try:
             cand = make_candidate(space, space.complete(rec.params), rec.problem, arch)
         except ValueError as e:
@@ -162,7 +169,8 @@ def kernel_specs(found: list[Winner], arch: Arch) -> tuple[list[dict[str, Any]],
             raise ExportError(f"elite {identity} does not compile for {arch.name}: "
                               f"{result.error}")
         specs.append({
-            "name": name, "family": cand.family, "problem": dict(cand.problem),
+            "name": name, "family": cand.family, "kind": spaces[cand.family].kind,
+            "problem": dict(cand.problem),
             "params": dict(cand.params), "block_m": cand.block_m, "threads": cand.threads,
             "smem_bytes": cand.smem_bytes, "defines": cand.defines(arch),
             "registers": result.registers, "spill_bytes": result.spill_bytes,
@@ -175,10 +183,11 @@ def kernel_specs(found: list[Winner], arch: Arch) -> tuple[list[dict[str, Any]],
               head_dim=w.workload.head_dim, causal=w.workload.causal,
               seq_q=w.workload.seq_q, seq_k=w.workload.seq_k,  # type: ignore[arg-type]
               batch=w.workload.batch, heads=w.workload.heads, median_us=w.elite.median_us,
-              workload=w.elite.workload_key)
+              workload=w.elite.workload_key, kind=w.workload.kind)
         for w in found
     ]
-    return specs, [e for group in dispatch_table(entries).values() for e in group]
+    return specs, [e for kind in KINDS for group in dispatch_table(entries, kind).values()
+                   for e in group]
 
 
 def namespace_of(specs: list[dict[str, Any]], entries: list[Entry], prefix: str) -> str:
@@ -239,8 +248,10 @@ class Exported:
     entries: list[Entry]
 
     def summary(self) -> str:
-        keys = "; ".join(f"{describe(key)} at sk " + ", ".join(str(e.seq_k) for e in group)
-                         for key, group in dispatch_table(self.entries).items())
+        keys = "; ".join(f"{'backward ' * (kind == 'bwd')}{describe(key)} at sk "
+                         + ", ".join(str(e.seq_k) for e in group)
+                         for kind in KINDS
+                         for key, group in dispatch_table(self.entries, kind).items())
         n, m = len(self.kernels), len(self.entries)
         return (f"wrote {self.path}: {n} kernel{'s' * (n != 1)} for {self.arch}, "
                 f"{m} dispatch entr{'ies' if m != 1 else 'y'} ({keys})")
@@ -294,6 +305,10 @@ def _header(specs: list[dict[str, Any]], entries: list[Entry], prov: dict[str, A
         "there. Both are checked against their sha256 at import. A call with no tuned kernel",
         "raises NoKernelError, or runs torch SDPA with fallback='sdpa'.",
         "",
+        "attention is differentiable in q, k and v (torch.autograd, torch.compile): its",
+        "backward runs the backward kernel tuned nearest the call, listed below; where none",
+        "fits, .backward() raises NoKernelError, or runs SDPA's backward with fallback='sdpa'.",
+        "",
         f"store     {prov['store']}",
         f"study     {prov['study'] if prov['study'] is not None else '(all studies)'}",
         f"commit    {prov['commit'] or 'unknown'} (the exporting evoengine)",
@@ -304,13 +319,20 @@ def _header(specs: list[dict[str, Any]], entries: list[Entry], prov: dict[str, A
                      f"commit {r['commit'] or 'unknown'}, study {r['study'] or '-'}")
     lines += ["", "Dispatch: the kernel tuned at the nearest (seq_q, seq_k), in log scale; "
               "median us as", "measured by the search on the run's device:"]
-    for key, group in dispatch_table(entries).items():
+    lines += ["Forward:", *_dispatch_lines(specs, entries, "fwd"), "Backward:",
+              *(_dispatch_lines(specs, entries, "bwd") or ["  none"])]
+    return "\n".join(lines)
+
+
+def _dispatch_lines(specs: list[dict[str, Any]], entries: list[Entry], kind: str) -> list[str]:
+    lines = []
+    for key, group in dispatch_table(entries, kind).items():
         lines.append(f"  {describe(key)}")
         for e in group:
             us = f"{e.median_us:9.1f} us" if e.median_us is not None else "         - us"
             lines.append(f"    sq {e.seq_q:<6} sk {e.seq_k:<6} {us}  {e.workload}")
             lines.append(f"      {specs[e.kernel]['name']}")
-    return "\n".join(lines)
+    return lines
 
 
 def render_module(specs: list[dict[str, Any]], entries: list[Entry],

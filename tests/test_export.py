@@ -2,7 +2,8 @@
 where it says it came from, its dispatch choices, its hash check, and ``evoengine.load``.
 
 One store is built per module: three admitted ``mma`` points that win four sm_90a
-workloads over two studies, a rank-2 elite and an sm_80 elite that must not be exported.
+workloads over two studies, an admitted ``mma_bwd`` point that wins a backward workload, a
+rank-2 elite and an sm_80 elite that must not be exported.
 Cubins for sm_90a compile offline, into a compile cache private to this module.
 """
 
@@ -26,6 +27,7 @@ from evoengine import _standalone, paths
 from evoengine.arch import get_arch
 from evoengine.compile import compile_candidate
 from evoengine.export import ExportError, export_best, load, render_module
+from evoengine.problems.backward import BackwardWorkload
 from evoengine.render import (
     Candidate,
     make_candidate,
@@ -36,15 +38,16 @@ from evoengine.render import (
 from evoengine.space import SearchSpace
 from evoengine.store import Store
 from evoengine.workload import Workload
-from tests.test_standalone import STDLIB, imported_roots
+from tests.test_runtime import cuda_like
+from tests.test_standalone import STDLIB, Launches, imported_roots, leaves, sdpa_reference
 
 ARCH = get_arch("sm_90a")
 DEVICE = "NVIDIA H100 80GB HBM3"
 
 
-def admitted(problem: dict, **want: object) -> dict:
-    """The first point of mma.toml admitted for ``problem`` on sm_90a with ``want``."""
-    space = SearchSpace.load(paths.SPACES / "mma.toml")
+def admitted(problem: dict, family: str = "mma", **want: object) -> dict:
+    """The first point of ``family`` admitted for ``problem`` on sm_90a with ``want``."""
+    space = SearchSpace.load(paths.SPACES / f"{family}.toml")
     for point in space.admitted(problem, ARCH):
         if all(point[k] == v for k, v in want.items()):
             return point
@@ -55,9 +58,9 @@ FP16_64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 BF16_128_CAUSAL = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 
 
-def candidate(problem: dict, **want: object) -> Candidate:
-    space = SearchSpace.load(paths.SPACES / "mma.toml")
-    return make_candidate(space, admitted(problem, **want), problem, ARCH)
+def candidate(problem: dict, family: str = "mma", **want: object) -> Candidate:
+    space = SearchSpace.load(paths.SPACES / f"{family}.toml")
+    return make_candidate(space, admitted(problem, family, **want), problem, ARCH)
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Built:
     a: Candidate  # wins b1-h8 sq512 and b2-h4 sq2048 (few rows)
     b: Candidate  # wins b16-h16 sq2048 (many rows)
     c: Candidate  # wins a GQA causal bf16 d128 workload, in study s2
+    bwd: Candidate  # an mma_bwd point: wins a GQA fp16 d64 backward workload, in study s2
     loser: Candidate  # rank 2 only
 
 
@@ -96,12 +100,13 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
         a = candidate(FP16_64, BLOCK_M=64, NUM_WARPS=4, STAGES=1, SWIZZLE="none")
         b = candidate(FP16_64, BLOCK_M=128, NUM_WARPS=8, STAGES=2, SWIZZLE="xor")
         c = candidate(BF16_128_CAUSAL, BLOCK_M=64, BLOCK_N=32, NUM_WARPS=4, STAGES=2)
+        bwd = candidate(FP16_64, "mma_bwd", BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4)
         loser = candidate(FP16_64, BLOCK_M=32, NUM_WARPS=2)
         space = SearchSpace.load(paths.SPACES / "mma.toml")
         ampere = make_candidate(space, a.params, a.problem, get_arch("sm_80"))
         db = root / "evo.db"
         with Store(f"sqlite:///{db}") as store:
-            for cand in (a, b, c, loser, ampere):
+            for cand in (a, b, c, bwd, loser, ampere):
                 add(store, cand)
             win(store, Workload(1, 8, 512, 64), [(a.identity, 12.5), (loser.identity, 14.0)],
                 study="s1")
@@ -109,10 +114,12 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
             win(store, Workload(16, 16, 2048, 64), [(b.identity, 1048.0)], study="s1")
             win(store, Workload(2, 8, 1024, 128, kv_heads=2, causal=True, dtype="bf16"),
                 [(c.identity, 230.5)], study="s2")
+            win(store, BackwardWorkload(2, 8, 1024, 64, kv_heads=2), [(bwd.identity, 512.0)],
+                study="s2")
             win(store, Workload(4, 8, 4096, 64), [(ampere.identity, 900.0)], study="s1",
                 arch="sm_80")
         out = export_best(str(db), "sm_90a", output=root / "tuned_attention.py")
-        yield Built(db, out.path, out.path.read_text(), a, b, c, loser)
+        yield Built(db, out.path, out.path.read_text(), a, b, c, bwd, loser)
 
 
 def import_path(path: Path, name: str) -> ModuleType:
@@ -159,8 +166,9 @@ def test_module_imports_in_a_fresh_process_without_evoengine(built: Built) -> No
     assert done.returncode == 0, done.stderr
     facts = json.loads(done.stdout)
     assert facts["evoengine"] == [] and facts["cupy"] is False  # cupy waits for a launch
-    assert facts["kernels"] == [built.a.identity, built.b.identity, built.c.identity]
-    assert facts["entries"] == 4 and facts["namespace"].startswith("evoengine_")
+    assert facts["kernels"] == [built.a.identity, built.b.identity, built.c.identity,
+                                built.bwd.identity]
+    assert facts["entries"] == 5 and facts["namespace"].startswith("evoengine_")
 
 
 def test_module_imports_only_torch_cupy_and_the_stdlib(built: Built) -> None:
@@ -184,23 +192,27 @@ def test_header_says_where_it_came_from(module: ModuleType, built: Built) -> Non
     assert f"store     sqlite:///{built.db.resolve()}" in doc
     assert "study     (all studies)" in doc
     assert re.search(r"commit    \S+ \(the exporting evoengine\)", doc)
-    assert doc.count(f"{DEVICE}, commit c0ffee1") == 4  # one line per run exported
+    assert doc.count(f"{DEVICE}, commit c0ffee1") == 5  # one line per run exported
     assert "with nvrtc" in doc
     for line in ("12.5 us  b1-h8-kv8-sq512-sk512-d64-full-fp16",
                  "40.2 us  b2-h4-kv4-sq2048-sk2048-d64-full-fp16",
                  "1048.0 us  b16-h16-kv16-sq2048-sk2048-d64-full-fp16",
                  "230.5 us  b2-h8-kv2-sq1024-sk1024-d128-causal-bf16"):
         assert line in doc
-    for cand in (built.a, built.b, built.c):
+    for cand in (built.a, built.b, built.c, built.bwd):
         assert cand.identity in doc
+    backward = doc[doc.index("\nBackward:\n"):]
+    assert "512.0 us  bwd-b2-h8-kv2-sq1024-sk1024-d64-full-fp16" in backward
+    assert built.bwd.identity in backward and built.a.identity not in backward
+    assert ".backward() raises NoKernelError" in doc
     prov = module.PROVENANCE
     assert prov["arch"] == "sm_90a" and prov["study"] is None
-    assert {r["device"] for r in prov["runs"]} == {DEVICE} and len(prov["runs"]) == 4
+    assert {r["device"] for r in prov["runs"]} == {DEVICE} and len(prov["runs"]) == 5
 
 
 def test_module_holds_the_winners_only(module: ModuleType, built: Built) -> None:
     assert [k.name for k in module.attention.kernels] == [
-        built.a.identity, built.b.identity, built.c.identity]
+        built.a.identity, built.b.identity, built.c.identity, built.bwd.identity]
     assert built.loser.identity not in built.text  # rank 2
     assert "b4-h8-kv8-sq4096" not in built.text  # an elite of another arch
 
@@ -208,13 +220,30 @@ def test_module_holds_the_winners_only(module: ModuleType, built: Built) -> None
 def test_sources_and_cubins_are_what_evoengine_builds(module: ModuleType, built: Built,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EVOENGINE_CACHE", str(built.db.parent / "cache"))
-    for kernel, cand in zip(module.attention.kernels, (built.a, built.b, built.c), strict=True):
+    *forward, backward = module.attention.kernels
+    for kernel, cand in zip(forward, (built.a, built.b, built.c), strict=True):
         assert kernel.source == render(cand)
         assert kernel.cubin == compile_candidate(cand, ARCH).cubin
         assert kernel.cubin[:4] == b"\x7fELF" and kernel.arch == "sm_90a"
         assert (kernel.block_m, kernel.threads, kernel.smem_bytes) == (
             cand.block_m, cand.threads, cand.smem_bytes)
         assert kernel.defines == cand.defines(ARCH)
+    assert isinstance(backward, module.CudaBackward) and backward.name == built.bwd.identity
+    for part in (backward.pre, backward.main, backward.post):
+        assert part.source == render(built.bwd)
+        assert part.cubin == compile_candidate(built.bwd, ARCH).cubin
+    assert (backward.main.threads, backward.main.smem_bytes, backward.block_n) == (
+        built.bwd.threads, built.bwd.smem_bytes, built.bwd.params["BLOCK_N"])
+
+
+def test_module_carries_a_backward_table(module: ModuleType, built: Built) -> None:
+    assert [s["kind"] for s in module._KERNEL_SPECS] == ["fwd", "fwd", "fwd", "bwd"]
+    assert [e.kind for e in module.DISPATCH] == ["fwd"] * 4 + ["bwd"]
+    assert list(module.attention.table) == [("bf16", 128, True), ("fp16", 64, False)]
+    assert list(module.attention.backward_table) == [("fp16", 64, False)]
+    entry = module.attention.select("fp16", 64, False, 700, 700, 8, kind="bwd")
+    assert entry.workload == "bwd-b2-h8-kv2-sq1024-sk1024-d64-full-fp16" and entry.kernel == 3
+    assert module.attention.select("bf16", 128, True, 700, 700, kind="bwd") is None
 
 
 def test_dispatch_picks_the_nearest_tuned_kernel(module: ModuleType) -> None:
@@ -227,6 +256,34 @@ def test_dispatch_picks_the_nearest_tuned_kernel(module: ModuleType) -> None:
     assert select("bf16", 128, True, 7, 9000, 1).kernel == 2
     assert select("fp16", 128, True, 1024, 1024) is None
     assert select("bf16", 64, False, 512, 512) is None
+
+
+def test_gradients_reach_the_modules_backward_kernel(module: ModuleType,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exported ``attention`` has an autograd formula, which launches the module's own
+    backward kernel (fake launches on the CPU); a call with no backward kernel says so in one
+    line at ``.backward()``."""
+    fwd = module.attention.kernels[0]
+    launches = Launches(monkeypatch, fwd, module.attention.kernels[3])
+    q, k, v = leaves(64)
+    out = module.attention(q, k, v)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).half()
+    out.backward(cuda_like(dout))
+    assert len(launches.forward) == len(launches.backward) == 1
+    assert launches.forward[0]["lse"] is not None
+    want = sdpa_reference(q, k, v, dout, causal=False)
+    for got, w in zip((q.grad, k.grad, v.grad), want, strict=True):
+        assert got.shape == w.shape
+        torch.testing.assert_close(got.as_subclass(torch.Tensor).float(), w, atol=4e-3, rtol=0)
+
+    Launches(monkeypatch, module.attention.kernels[2], None)
+    q, k, v = leaves(128, torch.bfloat16)
+    with pytest.raises(module.NoKernelError) as info:
+        module.attention(q, k, v, causal=True).float().sum().backward()
+    assert str(info.value) == (
+        "no tuned backward kernel for torch.bfloat16 head_dim 128 causal; this module has "
+        "backward kernels for: fp16 head_dim 64 non-causal. Pass fallback='sdpa' to run torch "
+        "SDPA for such calls.")
 
 
 def test_bad_input_is_refused_before_the_gpu(module: ModuleType) -> None:
@@ -272,12 +329,13 @@ def test_two_modules_with_the_same_kernels_coexist(module: ModuleType, built: Bu
 
 
 def test_study_filter(built: Built, tmp_path: Path) -> None:
-    s1 = export_best(built.db, "sm_90a", study="s1", output=tmp_path / "s1.py")
+    s1 = export_best(built.db, "sm_90a", study="s1", output=tmp_path / "s1.py")  # forward only
     assert s1.kernels == [built.a.identity, built.b.identity] and len(s1.entries) == 3
     assert "study     s1" in s1.path.read_text()
     s2 = export_best(built.db, "sm_90a", study="s2", output=tmp_path / "s2.py")
-    assert s2.kernels == [built.c.identity]
-    assert "bf16 head_dim 128 causal at sk 1024" in s2.summary()
+    assert s2.kernels == [built.c.identity, built.bwd.identity]
+    assert "bf16 head_dim 128 causal at sk 1024; backward fp16 head_dim 64 non-causal at sk " \
+           "1024" in s2.summary()
 
 
 @pytest.mark.parametrize(("arch", "study", "message"), [
@@ -290,6 +348,16 @@ def test_nothing_to_export_says_what_there_is(built: Built, tmp_path: Path, arch
     with pytest.raises(ExportError, match=re.escape(message)):
         export_best(built.db, arch, study=study, output=tmp_path / "x.py")
     assert not (tmp_path / "x.py").exists()
+
+
+def test_an_elite_of_another_kind_than_its_workload_is_refused(built: Built,
+                                                                tmp_path: Path) -> None:
+    with Store(f"sqlite:///{tmp_path / 'mixed.db'}") as store:
+        add(store, built.bwd)
+        win(store, Workload(1, 8, 512, 64), [(built.bwd.identity, 10.0)], study="s1")
+    with pytest.raises(ExportError, match=f"elite {built.bwd.identity} is a bwd kernel but "
+                                          "won fwd workloads"):
+        export_best(tmp_path / "mixed.db", "sm_90a", output=tmp_path / "x.py")
 
 
 def test_a_missing_store_is_refused_not_created(tmp_path: Path) -> None:
@@ -310,6 +378,7 @@ def test_load_gives_the_same_dispatch_from_the_store(module: ModuleType, built: 
     assert list(map(repr, attention.entries)) == list(map(repr, module.DISPATCH))
     only_s2 = load(built.db, "sm_90a", study="s2")
     assert list(only_s2.table) == [("bf16", 128, True)]
+    assert list(only_s2.backward_table) == [("fp16", 64, False)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

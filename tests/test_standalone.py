@@ -330,6 +330,7 @@ class Launches:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, fwd: CudaKernel,
                  bwd: CudaBackward | None) -> None:
+        self.causal = fwd.causal
         self.forward: list[dict] = []
         self.backward: list[dict] = []
         for k in (fwd, bwd):
@@ -340,7 +341,8 @@ class Launches:
             monkeypatch.setattr(bwd, "launch", self.launch_backward)
 
     def launch_forward(self, q, k, v, out, lse, p, scale) -> None:  # type: ignore[no-untyped-def]
-        out.copy_(sdpa_attention(q.float(), k.float(), v.float(), causal=True, scale=scale))
+        out.copy_(sdpa_attention(q.float(), k.float(), v.float(), causal=self.causal,
+                                 scale=scale))
         if lse is not None:
             lse.fill_(self.LSE)
         self.forward.append(dict(out=out, lse=lse))
@@ -348,25 +350,26 @@ class Launches:
     def launch_backward(self, q, k, v, out, lse, dout, dq, dk, dv, *, scale,  # type: ignore[no-untyped-def]
                         deterministic) -> None:
         grads = sdpa_attention_grads(q.float(), k.float(), v.float(), dout.float(),
-                                     causal=True, scale=scale)
+                                     causal=self.causal, scale=scale)
         for d, g in zip((dq, dk, dv), grads, strict=True):
             d.copy_(g)
         self.backward.append(dict(out=out, lse=lse.clone(), dout=dout,
                                   deterministic=deterministic))
 
 
-def leaves(kv_heads: int = 2) -> tuple[torch.Tensor, ...]:
-    """q [1, 4, 8, 16] over k, v [1, kv_heads, 8, 16], fp16 CPU tensors that say CUDA."""
+def leaves(head_dim: int = 16, dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
+    """q [1, 4, 8, head_dim] over k, v [1, 2, 8, head_dim] (GQA), CPU tensors that say CUDA."""
     g = torch.Generator().manual_seed(0)
-    shapes = ((1, 4, 8, 16), (1, kv_heads, 8, 16), (1, kv_heads, 8, 16))
-    return tuple(cuda_like(torch.randn(*s, generator=g).half()).requires_grad_()
+    shapes = ((1, 4, 8, head_dim), (1, 2, 8, head_dim), (1, 2, 8, head_dim))
+    return tuple(cuda_like(torch.randn(*s, generator=g).to(dtype)).requires_grad_()
                  for s in shapes)
 
 
 def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+                   dtype: torch.dtype = torch.float32,
+                   causal: bool = True) -> tuple[torch.Tensor, ...]:
     plain = [x.detach().as_subclass(torch.Tensor).to(dtype) for x in (q, k, v, dout)]
-    return sdpa_attention_grads(*plain, causal=True)
+    return sdpa_attention_grads(*plain, causal=causal)
 
 
 def output_grad(like: torch.Tensor) -> torch.Tensor:
