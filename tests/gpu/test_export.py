@@ -1,11 +1,12 @@
 """The exported module on a real GPU: the criterion for every dispatch entry and between
 them in a fresh process, the public call (strided views, GQA, Sq != Sk), CUDA-graph
 capture, torch.compile, a Transformers Llama against SDPA, the fallbacks, and
-``evoengine.load``.
+``evoengine.load``; and training: gradients through ``attention`` against the float64
+reference, torch.compile of forward and backward, a Llama training step against SDPA.
 
-The store is built here: four admitted ``mma`` points for this GPU's target, each the
-rank-1 elite of a made-up workload. What is tested is the export and the launch, not the
-search, so the timings in the store are made up too.
+The store is built here: four admitted ``mma`` points and two ``mma_bwd`` points for this
+GPU's target, each the rank-1 elite of a made-up workload. What is tested is the export and
+the launch, not the search, so the timings in the store are made up too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import evoengine
 from evoengine import paths, validate
 from evoengine.export import export_best
+from evoengine.problems.backward import BackwardWorkload
 from evoengine.render import make_candidate, render
 from evoengine.runtime import gpu_arch
 from evoengine.space import SearchSpace
@@ -36,18 +38,25 @@ from tests.test_export import import_path
 
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-# (problem, preferred parameters, workloads it wins)
+# (family, problem, preferred parameters, workloads it wins)
 WINNERS = [
-    ({"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False},
+    ("mma", {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False},
      dict(BLOCK_M=64, NUM_WARPS=4, SWIZZLE="xor"), [Workload(1, 8, 256, 64)]),
-    ({"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False},
+    ("mma", {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False},
      dict(BLOCK_M=128, NUM_WARPS=8, STAGES=2), [Workload(1, 8, 2048, 64)]),
-    ({"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": True},
+    ("mma", {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": True},
      dict(BLOCK_M=128, BLOCK_N=64, NUM_WARPS=4), [Workload(2, 8, 512, 64, kv_heads=2,
                                                            causal=True)]),
-    ({"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True},
+    ("mma", {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True},
      dict(BLOCK_M=64, BLOCK_N=32), [Workload(1, 4, 1024, 128, kv_heads=1, seq_k=1536,
                                              causal=True, dtype="bf16")]),
+    # Backward kernels for fp16 d64 only: bf16 d128 causal has a forward and no backward.
+    ("mma_bwd", {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False},
+     dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, DQ_ACCUM="atomic"),
+     [BackwardWorkload(1, 8, 512, 64)]),
+    ("mma_bwd", {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": True},
+     dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, DQ_ACCUM="atomic"),
+     [BackwardWorkload(2, 8, 512, 64, kv_heads=2, causal=True)]),
 ]
 
 
@@ -61,11 +70,11 @@ class Exported:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exported]:
     arch = gpu_arch()
-    space = SearchSpace.load(paths.SPACES / "mma.toml")
     root = tmp_path_factory.mktemp("gpu-export")
     db = root / "evo.db"
     with Store(f"sqlite:///{db}") as store:
-        for problem, want, workloads in WINNERS:
+        for family, problem, want, workloads in WINNERS:
+            space = SearchSpace.load(paths.SPACES / f"{family}.toml")
             points = space.admitted(problem, arch)
             point = next((p for p in points if all(p[k] == v for k, v in want.items())),
                          points[0])
@@ -130,8 +139,9 @@ def test_fresh_process_passes_the_criterion_everywhere(exported: Exported) -> No
     failed = [r for r in results if not r["ok"]]
     assert not failed, "\n".join(f"{r['key']} {r['shape']}: {r['reason']}" for r in failed)
     # Every kernel in the table served some call, each entry's own lengths its own kernel.
-    assert {r["kernel"] for r in results} == set(range(len(exported.module.attention.kernels)))
-    for e in exported.module.DISPATCH:
+    forward = [e for e in exported.module.DISPATCH if e.kind == "fwd"]
+    assert {r["kernel"] for r in results} == {e.kernel for e in forward}
+    for e in forward:
         own = [r for r in results if r["key"] == [e.dtype, e.head_dim, e.causal]
                and r["shape"][3:5] == [e.seq_q, e.seq_k]]
         assert own and all(r["kernel"] == e.kernel for r in own)
@@ -281,8 +291,8 @@ def test_bad_inputs_on_the_gpu(exported: Exported) -> None:
 
 def test_embedded_source_builds_for_this_gpu(exported: Exported) -> None:
     module = exported.module
-    (spec,) = [s for s in module._KERNEL_SPECS
-               if s["problem"] == {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": True}]
+    (spec,) = [s for s in module._KERNEL_SPECS if s["kind"] == "fwd"
+               and s["problem"] == {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": True}]
     source_only = module.kernel_from_spec({**spec, "cubin": None}, None)
     verdict = validate.check(source_only, batch=2, heads=8, kv_heads=2, seq_q=300, seq_k=420,
                              head_dim=64, causal=True, dtype=torch.float16)
@@ -302,6 +312,119 @@ def test_load_from_the_store(exported: Exported) -> None:
                                  heads=8, kv_heads=2, seq_q=600, seq_k=600, head_dim=64,
                                  causal=causal, dtype=torch.float16)
         assert verdict.ok, verdict.reason
+
+
+# ---- training ------------------------------------------------------------------------------
+
+def grads_verdict(attention: ModuleType, b: int, h: int, kv: int, sq: int, sk: int,
+                  causal: bool, layout: str = "bhsd", fallback: str | None = None,
+                  dtype: torch.dtype = torch.float16, d: int = 64) -> validate.Verdict:
+    """The backward criterion on gradients that autograd takes through ``attention``."""
+    gen = torch.Generator(device="cuda").manual_seed(sq * 31 + sk)
+
+    def leaf(heads: int, s: int) -> torch.Tensor:
+        shape = (b, s, heads, d) if layout == "bshd" else (b, heads, s, d)
+        x = torch.randn(shape, generator=gen, device="cuda").to(dtype)
+        x = x.transpose(1, 2) if layout == "bshd" else x
+        return x.detach().requires_grad_()
+
+    q, k, v = leaf(h, sq), leaf(kv, sk), leaf(kv, sk)
+    dout = torch.randn(q.shape, generator=gen, device="cuda").to(dtype)
+    attention(q, k, v, causal=causal, fallback=fallback).backward(dout)
+    refs = validate.reference_grads(q, k, v, dout, causal=causal)
+    baselines = validate.sdpa_grads(q, k, v, dout, causal=causal)
+    no_key = None
+    if causal and sq > sk:
+        no_key = torch.arange(sq, device="cuda") < sq - sk
+    return validate.judge_grads((q.grad, k.grad, v.grad), refs, baselines, no_key_rows=no_key)
+
+
+def backward_launches(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the backward kernels the module launches from now on, in order."""
+    launches: list[str] = []
+    launch = module.CudaBackward.launch
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        launches.append(self.name)
+        return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(module.CudaBackward, "launch", counted)
+    return launches
+
+
+@pytest.mark.parametrize("shape", [
+    (2, 8, 2, 300, 700, False, "bhsd"), (1, 8, 8, 512, 512, False, "bshd"),
+    (2, 8, 2, 513, 400, True, "bhsd"), (1, 4, 1, 77, 77, True, "bshd"),
+])
+def test_gradients_match_the_reference(exported: Exported, shape: tuple,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    launches = backward_launches(exported.module, monkeypatch)
+    verdict = grads_verdict(exported.module.attention, *shape)
+    assert verdict.ok, verdict.reason
+    assert len(launches) == 1  # the tuned backward kernel, not SDPA's
+
+
+def test_deterministic_backward_is_bitwise_repeatable(exported: Exported) -> None:
+    attention = exported.module.attention
+    q, k, v = qkv(sq=700, sk=700)
+    out, lse = attention.forward_lse(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    first = attention.backward(q, k, v, out, lse, dout, causal=True, deterministic=True)
+    again = attention.backward(q, k, v, out, lse, dout, causal=True, deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_no_backward_kernel_raises_one_line_or_runs_sdpa(exported: Exported) -> None:
+    attention = exported.module.attention  # bf16 d128 causal: a forward kernel, no backward
+    with pytest.raises(exported.module.NoKernelError) as info:
+        grads_verdict(attention, 1, 4, 1, 300, 300, True, dtype=torch.bfloat16, d=128)
+    assert str(info.value).startswith("no tuned backward kernel for torch.bfloat16 head_dim "
+                                      "128 causal; this module has backward kernels for: ")
+    assert "\n" not in str(info.value)
+    verdict = grads_verdict(attention, 1, 4, 1, 300, 300, True, fallback="sdpa",
+                            dtype=torch.bfloat16, d=128)
+    assert verdict.ok, verdict.reason
+
+
+def test_torch_compile_traces_forward_and_backward_without_breaks(exported: Exported) -> None:
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    attention = exported.module.attention
+    graphs: dict[str, list[str]] = {"fw": [], "bw": []}
+
+    def record(gm: torch.fx.GraphModule, inputs: list) -> object:
+        def compiler(which: str):  # type: ignore[no-untyped-def]
+            def compile_graph(g: torch.fx.GraphModule, _: list) -> object:
+                graphs[which].append(str(g.graph))
+                return make_boxed_func(g.forward)
+            return compile_graph
+        return aot_module_simplified(gm, inputs, fw_compiler=compiler("fw"),
+                                     bw_compiler=compiler("bw"))
+
+    def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q * 0.5, k, v, causal=True).float().square().sum()
+
+    def grads(fn, q, k, v):  # type: ignore[no-untyped-def]
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        fn(*leaves).backward()
+        return [x.grad for x in leaves]
+
+    torch._dynamo.reset()
+    q, k, v = qkv()
+    eager = grads(loss, q, k, v)
+    traced = grads(torch.compile(loss, backend=record, fullgraph=True), q, k, v)
+    for a, b in zip(traced, eager, strict=True):
+        torch.testing.assert_close(a, b)
+    assert len(graphs["fw"]) == len(graphs["bw"]) == 1
+    assert f"{attention.namespace}.attention" in graphs["fw"][0]
+    assert f"{attention.namespace}.attention_backward" in graphs["bw"][0]
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True)
+    for sq in (300, 300, 160):
+        q, k, v = qkv(sq=sq, sk=sq + 40)
+        for a, b in zip(grads(compiled, q, k, v), grads(loss, q, k, v), strict=True):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-3)
 
 
 # ---- Transformers ---------------------------------------------------------------------------
@@ -356,3 +479,37 @@ def test_transformers_llama_matches_sdpa(exported: Exported,
                                    sdpa(ids, attention_mask=mask).logits)
     finally:
         module.register_transformers()
+
+
+def test_transformers_llama_training_step_matches_sdpa(exported: Exported,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """One training step of a tiny Llama (GQA, head_dim 64, fp16): loss and every parameter's
+    gradient as close to the float32 model's as SDPA's in fp16 is, within the criterion's
+    factor; attention's forward and backward run the tuned kernels."""
+    pytest.importorskip("transformers")
+    module = exported.module
+    assert module.register_transformers() == "evoengine"
+    torch.manual_seed(0)
+    exact = llama("sdpa").train().to("cuda")
+    sdpa = llama("sdpa").train().to("cuda", torch.float16)
+    ours = llama("evoengine").train().to("cuda", torch.float16)
+    sdpa.load_state_dict(exact.state_dict())
+    ours.load_state_dict(exact.state_dict())
+    launches = backward_launches(module, monkeypatch)
+    ids = torch.randint(0, 1000, (2, 200), device="cuda")
+    losses = {}
+    for name, model in (("exact", exact), ("sdpa", sdpa), ("ours", ours)):
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        losses[name] = out.loss.item()
+    assert len(launches) == 2  # two layers' backward, through the tuned kernel
+    factor = validate.ERR_FACTOR
+    assert abs(losses["ours"] - losses["exact"]) <= (
+        factor * abs(losses["sdpa"] - losses["exact"]) + 1e-3), losses
+    for (name, p_exact), p_sdpa, p_ours in zip(exact.named_parameters(), sdpa.parameters(),
+                                               ours.parameters(), strict=True):
+        ref = p_exact.grad
+        sdpa_err = (p_sdpa.grad.float() - ref).abs().max().item()
+        ours_err = (p_ours.grad.float() - ref).abs().max().item()
+        floor = validate.ulp_at(torch.float16, ref.abs().max().item()) + validate.GRAD_FLOOR
+        assert ours_err <= factor * sdpa_err + floor, (name, ours_err, sdpa_err)
