@@ -1,9 +1,10 @@
 """Load tuned attention kernels and launch them on torch tensors, with cupy and torch only.
 
-This file is the one launcher of the project: ``evoengine.runtime.Kernel`` and
-``evoengine.load`` use it from the package, and ``evoengine export`` copies its text verbatim
-into every exported module. So it imports nothing but torch, cupy (lazily: a module
-built on it still imports on a machine without a GPU) and the standard library.
+This file is the one launcher of the project, forward and backward:
+``evoengine.runtime.Kernel``, ``evoengine.backward.BackwardKernel`` and ``evoengine.load`` use
+it from the package, and ``evoengine export`` copies its text verbatim into every exported
+module. So it imports nothing but torch, cupy (lazily: a module built on it still imports on
+a machine without a GPU) and the standard library.
 
 Kernel ABI (mma, wmma): ``extern "C" __global__ attn_fwd(Q, K, V, O, LSE, seq_q, seq_k,
 heads, kv_group, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss,
