@@ -311,9 +311,8 @@ def _refuse_unserved(spaces: list, workload: Workload, arch: Arch | None) -> Non
     """Refuse a workload whose problem (head dim, dtype, causal) every space rules out on
     every target it could run on (``arch``, else each target the space supports).
 
-    Only the constraints that read nothing but problem and target names are evaluated (the
-    head dim's ``HEAD_DIM % 16 == 0``, say): that takes microseconds, where asking for an
-    admitted point would scan whole grids. A problem these let through but no point fits is
+    Only the constraints that read nothing but problem and target names are evaluated
+    (``SearchSpace.problem_violations``). A problem these let through but no point fits is
     still refused, by the search, once it knows the GPU.
     """
     if arch is not None and not any(s.supports(arch) for s in spaces):
@@ -324,9 +323,7 @@ def _refuse_unserved(spaces: list, workload: Workload, arch: Arch | None) -> Non
         for name in (arch.name,) if arch else space.archs:
             if not space.supports(get_arch(name)):
                 continue
-            env = {**get_arch(name).as_names(), **problem}
-            broken = [f"{c.why} ({c.rule.text})" for c in space.constraints
-                      if c.rule.names <= env.keys() and not c.rule(env)]
+            broken = space.problem_violations(problem, get_arch(name))
             if not broken:
                 return
             why.setdefault(space.family, broken[0])

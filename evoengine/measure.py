@@ -157,7 +157,9 @@ def workload_inputs(workload: Workload, device: str | int = "cuda",
     """Enough (q, k, v, out) sets of random data, [B, H, S, D], to rotate past L2."""
     import torch
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[workload.dtype]
+    from evoengine._standalone import KERNEL_DTYPES
+
+    dtype = KERNEL_DTYPES[workload.dtype]
     w = workload
     per_set = 2 * w.batch * w.head_dim * (w.heads * w.seq_q + 2 * w.kv_heads * w.seq_k)  # type: ignore[operator]
     sets = []

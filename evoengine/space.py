@@ -218,6 +218,14 @@ class SearchSpace:
         env = self.env(params, problem, arch)
         return [f"{c.why} ({c.rule.text})" for c in self.constraints if not c.rule(env)]
 
+    def problem_violations(self, problem: Mapping[str, object], arch: Arch) -> list[str]:
+        """The ``why`` of every constraint that reads only problem and target names and rejects
+        ``problem`` on ``arch`` (``HEAD_DIM % 16 == 0``, say): microseconds, where asking for
+        an admitted point scans the whole grid. Empty does not mean a point fits."""
+        env = {**arch.as_names(), **problem}
+        return [f"{c.why} ({c.rule.text})" for c in self.constraints
+                if c.rule.names <= env.keys() and not c.rule(env)]
+
     def problems(self) -> Iterator[dict[str, object]]:
         """Every combination of the default problem dimensions."""
         for values in itertools.product(*self.problem.values()):

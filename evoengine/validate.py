@@ -345,9 +345,10 @@ def check_workload(fn: AttentionFn, workload: Workload, *, scale: float | None =
                    device: str = "cuda") -> Verdict:
     """Apply the criterion on every shape of ``plan(workload)``, each on fresh inputs; the
     first failure, or a pass carrying the largest error seen."""
-    import torch
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[workload.dtype]
+    from evoengine._standalone import KERNEL_DTYPES
+
+    dtype = KERNEL_DTYPES[workload.dtype]
     worst = Verdict(True, 0.0, 0.0)
     for shape in plan(workload):
         verdict = check(fn, batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads,
@@ -367,9 +368,10 @@ def check_backward_workload(fn: BackwardFn, workload: Workload, *, scale: float 
                             device: str = "cuda") -> Verdict:
     """The backward criterion on every shape of ``plan(workload)``, each on fresh inputs: the
     first failure, or a pass carrying the gradient nearest its tolerance."""
-    import torch
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[workload.dtype]
+    from evoengine._standalone import KERNEL_DTYPES
+
+    dtype = KERNEL_DTYPES[workload.dtype]
     worst = Verdict(True, 0.0, math.inf)
     for shape in plan(workload):
         verdict = check_backward(fn, batch=shape.batch, heads=shape.heads,

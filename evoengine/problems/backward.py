@@ -98,14 +98,15 @@ class Backward(Forward):
         return False
 
     def inputs(self, workload: Any, device: str | int = "cuda") -> Sequence[tuple[Any, ...]]:
-        """Sets of (q, k, v, out, lse, dout, dq, dk, dv): out and lse of SDPA's forward in the
-        dtype and float32 (log-sum-exp by chunks of heads), enough sets to rotate past L2."""
+        """Sets of (q, k, v, out, lse, dout, dq, dk, dv): out (in the dtype) and lse (float32)
+        of the forward, computed by chunks of heads; enough sets to rotate past L2."""
         import torch
 
         from evoengine import measure
+        from evoengine._standalone import KERNEL_DTYPES
 
         w = workload
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[w.dtype]
+        dtype = KERNEL_DTYPES[w.dtype]
         per_set = 2 * w.batch * w.head_dim * (3 * w.heads * w.seq_q + 4 * w.kv_heads * w.seq_k)
         scale = 1.0 / math.sqrt(w.head_dim)
         sets = []
@@ -114,11 +115,7 @@ class Backward(Forward):
             k = torch.randn(w.batch, w.kv_heads, w.seq_k, w.head_dim, device=device,
                             dtype=dtype)
             v, dout = torch.randn_like(k), torch.randn_like(q)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=w.causal and w.seq_q == w.seq_k,
-                enable_gqa=w.heads != w.kv_heads) if not (w.causal and w.seq_q != w.seq_k) \
-                else torch.randn_like(q)
-            lse = _lse(q, k, w.causal, scale)
+            out, lse = _forward(q, k, v, w.causal, scale)
             sets.append((q, k, v, out, lse, dout, torch.empty_like(q), torch.empty_like(k),
                          torch.empty_like(v)))
         return sets
@@ -144,7 +141,8 @@ class Backward(Forward):
             if fn is None:
                 return None
             forward = lambda q, k, v: measure.fa4_output(  # noqa: E731
-                fn(*(x.transpose(1, 2) for x in (q, k, v)), causal=workload.causal))
+                fn(*(x.transpose(1, 2) for x in (q, k, v)), causal=workload.causal)
+            ).transpose(1, 2)
             context: Any = contextlib.nullcontext()
         elif workload.causal and workload.seq_q != workload.seq_k:
             return None  # SDPA's is_causal aligns top-left; ours is bottom-right
@@ -160,8 +158,7 @@ class Backward(Forward):
                 for q, k, v, _out, _lse, dout, *_ in sets:
                     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
                     out = forward(*leaves)
-                    graphs.append((out, leaves, dout if anchor != "fa4" else
-                                   dout.transpose(1, 2)))
+                    graphs.append((out, leaves, dout))
 
                 def call(i: int) -> None:
                     out, leaves, dout = graphs[i]
@@ -171,13 +168,15 @@ class Backward(Forward):
             return None
 
 
-def _lse(q: Any, k: Any, causal: bool, scale: float) -> Any:
-    """The forward's natural-log log-sum-exp, float32 [B, H, Sq], by chunks of query heads so
-    the scores of long sequences never sit in memory at once."""
+def _forward(q: Any, k: Any, v: Any, causal: bool, scale: float) -> tuple[Any, Any]:
+    """The forward's output (q's dtype) and natural-log log-sum-exp (float32 [B, H, Sq]; -inf
+    and a zero output on rows that see no key), causal bottom-right, one query head at a time
+    so the scores of long sequences never sit in memory at once."""
     import torch
 
     b, h, sq, _ = q.shape
     group = h // k.shape[1]
+    out = torch.empty_like(q)
     lse = torch.empty((b, h, sq), device=q.device, dtype=torch.float32)
     mask = None
     if causal:
@@ -190,4 +189,6 @@ def _lse(q: Any, k: Any, causal: bool, scale: float) -> Any:
         if mask is not None:
             s.masked_fill_(~mask, float("-inf"))
         lse[:, head] = torch.logsumexp(s, dim=-1)
-    return lse
+        p = torch.softmax(s, dim=-1).nan_to_num_(0.0)
+        out[:, head] = torch.matmul(p, v[:, head // group].float()).to(q.dtype)
+    return out, lse

@@ -154,10 +154,8 @@ ANCHOR_KEYS = {"flash": "sdpa_flash_us", "cudnn": "sdpa_cudnn_us", "fa4": "fa4_u
 def anchor_times(timed: Mapping[str, Any]) -> dict[str, float | None]:
     """The anchors' times of a re-time or baseline as row keys: SDPA's two always (None where
     one could not run), FlashAttention-4's where it was timed."""
-    out = {"sdpa_flash_us": timed.get("flash"), "sdpa_cudnn_us": timed.get("cudnn")}
-    if "fa4" in timed:
-        out["fa4_us"] = timed["fa4"]
-    return out
+    return {key: timed.get(anchor) for anchor, key in ANCHOR_KEYS.items()
+            if anchor != "fa4" or anchor in timed}
 
 
 def row(w: Workload, candidate: Candidate, us: float,

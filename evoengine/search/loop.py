@@ -51,7 +51,7 @@ from evoengine.render import Candidate
 from evoengine.search.coordination import Coordination
 from evoengine.search.domain import Domain, Point
 from evoengine.search.evaluator import DeviceInfo, Evaluation, Evaluator
-from evoengine.search.evidence import Evidence, results_document
+from evoengine.search.evidence import ANCHOR_KEYS, Evidence, results_document
 from evoengine.search.progress import Progress, Tally
 from evoengine.search.samplers import NOT_EVALUATED, make_sampler
 from evoengine.search.study import SearchStudy, open_storage, quiet_optuna
@@ -539,7 +539,7 @@ def _final(config: SearchConfig, domain: Domain, evidence: Evidence, evaluator: 
     rows = evidence.final(entries, timed)
     if rows:
         tally.best_us = min(tally.best_us or rows[0]["ours_us"], rows[0]["ours_us"])
-        tally.baseline = {a: timed.get(a) for a in ("flash", "cudnn", "fa4") if a in timed}
+        tally.baseline = {a: timed[a] for a in ANCHOR_KEYS if a in timed}
     return rows
 
 
