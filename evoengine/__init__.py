@@ -21,7 +21,7 @@ from evoengine.space import SearchSpace, default_spaces
 from evoengine.workload import Workload
 
 if TYPE_CHECKING:
-    from evoengine._standalone import TunedAttention
+    from evoengine.launch import TunedAttention
 
 __all__ = [
     "ARCHS", "Arch", "Candidate", "CompileResult", "SearchSpace", "Workload",

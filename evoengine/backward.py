@@ -1,15 +1,15 @@
 """The attention backward pass: dQ, dK, dV from a compiled backward candidate (``mma_bwd`` on
 mma.sync, sm_80+; ``wgmma_bwd`` on wgmma, sm_90a).
 
-The launcher is ``_standalone.CudaBackward`` (its docstring holds the three kernels' ABI), so
+The launcher is ``evoengine.launch.CudaBackward`` (its docstring holds the three kernels' ABI), so
 that exported modules carry the same code; ``BackwardKernel`` builds one from a candidate.
 """
 
 from __future__ import annotations
 
-from evoengine._standalone import BACKWARD_ENTRIES, CudaBackward
 from evoengine.arch import Arch
 from evoengine.compile import CompileResult, compile_candidate
+from evoengine.launch import BACKWARD_ENTRIES, CudaBackward
 from evoengine.render import Candidate
 
 __all__ = ["BACKWARD_ENTRIES", "BACKWARD_FAMILIES", "BackwardKernel"]

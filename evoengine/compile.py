@@ -24,7 +24,8 @@ from evoengine import paths
 from evoengine.arch import Arch, get_arch
 from evoengine.render import Candidate, render
 
-LAUNCHER = Path(__file__).with_name("_standalone.py")
+# Where the launcher (evoengine/launch/) keeps NVRTC_OPTIONS; read as text, not imported.
+LAUNCHER = Path(__file__).with_name("launch") / "core.py"
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def cuda_include_dirs() -> list[str]:
 
 @functools.cache
 def launcher_options() -> tuple[str, ...]:
-    """``NVRTC_OPTIONS`` of ``_standalone.py``, the launcher exported modules carry, so a
+    """``NVRTC_OPTIONS`` of ``launch/core.py``, in the launcher exported modules carry, so a
     kernel built there on another GPU gets the flags it was built with here. Read from the
     file, not imported: the launcher imports torch, which offline compilation (the CLI and
     every compile worker) does without."""

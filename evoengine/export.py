@@ -1,12 +1,12 @@
 """Ship the winners: the store's best kernels as one standalone module, or loaded in-process.
 
 ``export_best`` writes a Python module that needs only torch and cupy: the launcher
-(``_standalone.py``, verbatim), and for each rank-1 elite of the target, forward or backward,
-its rendered CUDA source, its cubin for that target, their sha256, its parameters, its kind
-and the workload it won, plus a dispatch table over them (one per kind: the backward's serves
-the autograd formula of the module's ``attention``). ``load`` builds the same callable
-straight from the store. Compiling needs no GPU, so a module for any target can be exported
-anywhere.
+(``evoengine/launch/``, its modules joined verbatim), and for each rank-1 elite of the target,
+forward or backward, its rendered CUDA source, its cubin for that target, their sha256, its
+parameters, its kind and the workload it won, plus a dispatch table over them (one per kind:
+the backward's serves the autograd formula of the module's ``attention``). ``load`` builds
+the same callable straight from the store. Compiling needs no GPU, so a module for any
+target can be exported anywhere.
 """
 
 from __future__ import annotations
@@ -24,19 +24,20 @@ from typing import Any
 import sqlalchemy as sa
 
 from evoengine import paths
-from evoengine._standalone import (
+from evoengine._version import __version__
+from evoengine.arch import Arch, get_arch
+from evoengine.compile import compile_many, compile_source, nvrtc_version
+from evoengine.launch import (
     KINDS,
     Entry,
     TunedAttention,
     describe,
     dispatch_table,
     kernel_from_spec,
+    module_text,
     pack_cubin,
     sha256,
 )
-from evoengine._version import __version__
-from evoengine.arch import Arch, get_arch
-from evoengine.compile import LAUNCHER, compile_many, compile_source, nvrtc_version
 from evoengine.problems import workload_from_dict, workload_from_key
 from evoengine.provenance import git_commit
 from evoengine.render import Candidate, make_candidate, make_identity, render
@@ -211,7 +212,7 @@ def provenance(store: Store, arch: Arch, study: str | None,
         "study": study,
         "arch": arch.name,
         "compiler": nvrtc_version(),
-        "launcher_sha256": sha256(LAUNCHER.read_text()),
+        "launcher_sha256": sha256(module_text()),
         "runs": [{"id": r.id, "study": r.study, "commit": r.commit, "device": r.device,
                   "started": r.created_at.isoformat(timespec="seconds"),
                   "workload": r.workload_key, "status": r.status}
@@ -285,11 +286,6 @@ def _string_literal(text: str) -> str:
     return literal
 
 
-def launcher_body() -> str:
-    """``_standalone.py`` after its docstring and ``from __future__`` line, verbatim."""
-    text = LAUNCHER.read_text()
-    marker = "from __future__ import annotations\n"
-    return text[text.index(marker) + len(marker):].lstrip("\n")
 
 
 def _header(specs: list[dict[str, Any]], entries: list[Entry], prov: dict[str, Any]) -> str:
@@ -342,9 +338,9 @@ def render_module(specs: list[dict[str, Any]], entries: list[Entry],
     parts = [
         f'"""{_header(specs, entries, prov)}\n"""\n',
         "from __future__ import annotations\n",
-        f"# ---- launcher: evoengine/_standalone.py (sha256 {prov['launcher_sha256'][:16]}), "
-        "verbatim ----\n",
-        launcher_body(),
+        f"# ---- launcher: evoengine/launch/ (sha256 {prov['launcher_sha256'][:16]}), its "
+        "modules joined verbatim ----\n",
+        module_text(),
         "\n# ---- this export ----------------------------------------------------------------\n",
         f"ARCH = {prov['arch']!r}",
         f"PROVENANCE = {pprint.pformat(prov, width=96, sort_dicts=False)}",

@@ -12,7 +12,7 @@ code lives in the launcher so that exported modules carry it too.
 
 from __future__ import annotations
 
-from evoengine._standalone import register_hf as register
-from evoengine._standalone import transformers_attention
+from evoengine.launch import register_hf as register
+from evoengine.launch import transformers_attention
 
 __all__ = ["register", "transformers_attention"]

@@ -157,7 +157,7 @@ def workload_inputs(workload: Workload, device: str | int = "cuda",
     """Enough (q, k, v, out) sets of random data, [B, H, S, D], to rotate past L2."""
     import torch
 
-    from evoengine._standalone import KERNEL_DTYPES
+    from evoengine.launch import KERNEL_DTYPES
 
     dtype = KERNEL_DTYPES[workload.dtype]
     w = workload

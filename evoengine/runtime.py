@@ -1,15 +1,15 @@
 """Load a compiled candidate on the GPU and call it on torch tensors.
 
 Kernels are cubins built by :mod:`evoengine.compile` (NVRTC), loaded and launched by
-:mod:`evoengine._standalone`, the launcher that exported modules carry too: on torch's
+:mod:`evoengine.launch`, the launcher that exported modules carry too: on torch's
 current stream, so they order correctly with the surrounding torch work.
 """
 
 from __future__ import annotations
 
-from evoengine._standalone import LOG2E, CudaKernel, Problem, check_inputs, tma_params
 from evoengine.arch import Arch
 from evoengine.compile import CompileResult, compile_candidate
+from evoengine.launch import LOG2E, CudaKernel, Problem, check_inputs, tma_params
 from evoengine.render import Candidate
 
 __all__ = ["LOG2E", "Kernel", "NoGPUError", "Problem", "check_inputs", "gpu_arch"]

@@ -96,7 +96,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
          scale: float | None = None) -> torch.Tensor:
     """torch SDPA in the inputs' dtype, with the same bottom-right causal alignment (the SDPA
     fallback of exported modules is this same function)."""
-    from evoengine._standalone import sdpa_attention
+    from evoengine.launch import sdpa_attention
 
     return sdpa_attention(q, k, v, causal=causal, scale=scale)
 
@@ -199,7 +199,7 @@ def sdpa_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
     """dQ, dK, dV of torch SDPA's own backward in the inputs' dtype: the baseline error (the
     SDPA fallback of exported modules' backward is this same function). Causal rows that see
     no key get the zero gradient they have by definition, not SDPA's NaN."""
-    from evoengine._standalone import sdpa_attention_grads
+    from evoengine.launch import sdpa_attention_grads
 
     return sdpa_attention_grads(q, k, v, dout, causal=causal, scale=scale)
 
@@ -346,7 +346,7 @@ def check_workload(fn: AttentionFn, workload: Workload, *, scale: float | None =
     """Apply the criterion on every shape of ``plan(workload)``, each on fresh inputs; the
     first failure, or a pass carrying the largest error seen."""
 
-    from evoengine._standalone import KERNEL_DTYPES
+    from evoengine.launch import KERNEL_DTYPES
 
     dtype = KERNEL_DTYPES[workload.dtype]
     worst = Verdict(True, 0.0, 0.0)
@@ -369,7 +369,7 @@ def check_backward_workload(fn: BackwardFn, workload: Workload, *, scale: float 
     """The backward criterion on every shape of ``plan(workload)``, each on fresh inputs: the
     first failure, or a pass carrying the gradient nearest its tolerance."""
 
-    from evoengine._standalone import KERNEL_DTYPES
+    from evoengine.launch import KERNEL_DTYPES
 
     dtype = KERNEL_DTYPES[workload.dtype]
     worst = Verdict(True, 0.0, math.inf)

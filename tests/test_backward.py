@@ -1,6 +1,6 @@
 """Tests of evoengine.backward that need no GPU: the mma_bwd family compiles for every target
 and wgmma_bwd for sm_90a without spills (wgmma's HGMMA in its SASS, where cuobjdump is found),
-the launcher's parameter buffers (``_standalone.CudaBackward``) match both families' kernel
+the launcher's parameter buffers (``launch.CudaBackward``) match both families' kernel
 signatures, and the input checks name what is wrong in one line.
 
 As in tests/test_runtime.py, CPU tensors wrapped in a subclass that reports ``is_cuda`` reach
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evoengine import _standalone, backward, paths
+from evoengine import backward, launch, paths
 from evoengine.arch import get_arch
 from evoengine.backward import BackwardKernel
 from evoengine.compile import CompileResult, compile_many, cuobjdump_path
@@ -145,7 +145,7 @@ def signature(source: str, entry: str) -> str:
 def test_parameter_buffers_match_the_kernel_signatures(family: str) -> None:
     point, arch = POINTS[family]
     src = render(make_candidate(space(family), point, PROBLEM, get_arch(arch)))
-    packs = (_standalone.BWD_PRE_ARGS, _standalone.BWD_MAIN_ARGS, _standalone.BWD_POST_ARGS)
+    packs = (launch.BWD_PRE_ARGS, launch.BWD_MAIN_ARGS, launch.BWD_POST_ARGS)
     for entry, pack in zip(backward.BACKWARD_ENTRIES, packs, strict=True):
         codes = signature(src, entry)
         assert len(codes) == len(pack.offsets)
@@ -159,9 +159,9 @@ def test_launch_shapes_match_the_template(family: str) -> None:
     point, arch = POINTS[family]
     src = render(make_candidate(space(family), point, PROBLEM, get_arch(arch)))
     for name in ("PRE_THREADS", "POST_THREADS"):
-        assert f"constexpr int {name} = {getattr(_standalone, name)};" in src
+        assert f"constexpr int {name} = {getattr(launch, name)};" in src
     assert "constexpr int PRE_ROWS = PRE_THREADS / 8;" in src
-    assert _standalone.PRE_ROWS == _standalone.PRE_THREADS // 8
+    assert launch.PRE_ROWS == launch.PRE_THREADS // 8
 
 
 def test_families_share_the_first_and_last_kernels() -> None:

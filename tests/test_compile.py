@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from evoengine import _standalone, paths
+from evoengine import launch, paths
 from evoengine.arch import Arch, get_arch
 from evoengine.compile import (
     CompileResult,
@@ -329,9 +329,9 @@ def test_nvrtc_options() -> None:
 def test_nvrtc_options_are_the_launchers_own() -> None:
     """Offline builds and an exported module's builds on another GPU get the same flags: the
     launcher's NVRTC_OPTIONS, read from its source."""
-    assert launcher_options() == _standalone.NVRTC_OPTIONS
+    assert launcher_options() == launch.NVRTC_OPTIONS
     opts = nvrtc_options(get_arch("sm_90a"), {})
-    assert opts[1:1 + len(_standalone.NVRTC_OPTIONS)] == list(_standalone.NVRTC_OPTIONS)
+    assert opts[1:1 + len(launch.NVRTC_OPTIONS)] == list(launch.NVRTC_OPTIONS)
 
 
 def test_compiling_does_not_import_torch() -> None:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import evoengine
-from evoengine import _standalone, paths
+from evoengine import launch, paths
 from evoengine.arch import get_arch
 from evoengine.compile import compile_candidate
 from evoengine.export import ExportError, export_best, load, render_module
@@ -38,8 +38,8 @@ from evoengine.render import (
 from evoengine.space import SearchSpace
 from evoengine.store import Store
 from evoengine.workload import Workload
+from tests.test_launch import STDLIB, Launches, imported_roots, leaves, sdpa_reference
 from tests.test_runtime import cuda_like
-from tests.test_standalone import STDLIB, Launches, imported_roots, leaves, sdpa_reference
 
 ARCH = get_arch("sm_90a")
 DEVICE = "NVIDIA H100 80GB HBM3"
@@ -179,11 +179,13 @@ def test_module_imports_only_torch_cupy_and_the_stdlib(built: Built) -> None:
 
 
 def test_module_embeds_the_launcher_verbatim(built: Built) -> None:
-    launcher = Path(_standalone.__file__).read_text()
-    marker = "from __future__ import annotations\n"
-    body = launcher[launcher.index(marker) + len(marker):].lstrip("\n")
+    body = launch.module_text()
     assert len(body) > 10000 and body in built.text
-    assert built.text.count(marker) == 1
+    assert built.text.count("from __future__ import annotations\n") == 1
+    for path in launch.module_paths():  # every module's code, word for word
+        text = path.read_text()
+        last_def = text[text.rindex("\ndef ") + 1:] if "\ndef " in text else text[-400:]
+        assert last_def.strip() in built.text, path.name
 
 
 def test_header_says_where_it_came_from(module: ModuleType, built: Built) -> None:
@@ -448,10 +450,10 @@ def test_render_module_is_deterministic_given_its_inputs(tmp_path: Path) -> None
             "runs": []}
     spec = {"name": "k", "family": "mma", "problem": dict(FP16_64), "params": {},
             "block_m": 64, "threads": 128, "smem_bytes": 8192, "defines": {},
-            "source": "a '' \\ \"\"\" source\n", "source_sha256": _standalone.sha256(
+            "source": "a '' \\ \"\"\" source\n", "source_sha256": launch.sha256(
                 "a '' \\ \"\"\" source\n"), "cubin": b"\x7fELF", "cubin_sha256":
-            _standalone.sha256(b"\x7fELF")}
-    entries = [_standalone.Entry(0, "fp16", 64, False, 512, 512, 1, 8, 1.0, "w")]
+            launch.sha256(b"\x7fELF")}
+    entries = [launch.Entry(0, "fp16", 64, False, 512, 512, 1, 8, 1.0, "w")]
     text = render_module([spec], entries, prov)
     assert text == render_module([spec], entries, prov)
     (tmp_path / "generated.py").write_text(text)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from evoengine import hf
-from evoengine._standalone import sdpa_attention
+from evoengine.launch import sdpa_attention
 
 
 class Recorder:

@@ -18,10 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from evoengine import _standalone as standalone
 from evoengine import paths
-from evoengine._standalone import (
-    TMA_Q_ROWS,
+from evoengine.arch import Arch, get_arch
+from evoengine.compile import (
+    CompileResult,
+    compile_candidate,
+    compile_many,
+    compile_source,
+    cuobjdump_path,
+)
+from evoengine.launch import (
     CudaKernel,
     NoKernelError,
     TmaParams,
@@ -31,14 +37,8 @@ from evoengine._standalone import (
     tma_grid,
     tma_params,
 )
-from evoengine.arch import Arch, get_arch
-from evoengine.compile import (
-    CompileResult,
-    compile_candidate,
-    compile_many,
-    compile_source,
-    cuobjdump_path,
-)
+from evoengine.launch import forward as launch_forward
+from evoengine.launch import tma as launch_tma
 from evoengine.render import Candidate, make_candidate, render
 from evoengine.space import SearchSpace, default_spaces, spread
 
@@ -361,7 +361,8 @@ def test_smem_static_assert_ties_space_to_kernel() -> None:
 
 
 def test_map_geometry_of_a_contiguous_tensor() -> None:
-    g = tma_geometry((2, 8, 100, 128), (8 * 100 * 128, 100 * 128, 128, 1), 2, TMA_Q_ROWS, 128)
+    g = tma_geometry((2, 8, 100, 128), (8 * 100 * 128, 100 * 128, 128, 1), 2,
+                     launch_tma.TMA_Q_ROWS, 128)
     assert g.dims == (128, 100, 8, 2)  # innermost first
     assert g.strides == (256, 100 * 256, 8 * 100 * 256)
     assert g.box == (64, 64, 1, 1) and g.swizzle == 128
@@ -435,8 +436,8 @@ def test_tma_arguments_sit_at_their_natural_alignment() -> None:
         offset = -(-offset // align) * align
         expected.append(offset)
         offset += size
-    assert list(standalone._TMA_ARG_OFFSETS) == expected
-    assert standalone._TMA_ARGS.size == offset
+    assert list(launch_tma.TMA_ARG_OFFSETS) == expected
+    assert launch_tma.TMA_ARGS.size == offset
 
 
 class _FakeLaunch:
@@ -448,7 +449,7 @@ class _FakeLaunch:
         self.counters: list[tuple[int, int | None]] = []  # (address, value at launch)
 
     def __call__(self, loaded: object, args: tuple) -> None:
-        (address,) = struct.unpack_from("=Q", self.kernel._args, standalone._TMA_ARG_OFFSETS[-1])
+        (address,) = struct.unpack_from("=Q", self.kernel._args, launch_tma.TMA_ARG_OFFSETS[-1])
         value = None
         if address:
             counter = ctypes.c_int32.from_address(address)
@@ -468,14 +469,14 @@ def test_launch_passes_a_fresh_zero_counter_only_when_dynamic(
                    threads=c.threads, smem_bytes=c.smem_bytes, arch="sm_90a", cubin=b"x",
                    tma=tma_params(c.family, c.params))
     fake = _FakeLaunch(k)
-    monkeypatch.setattr(standalone, "_launch_in_context", fake)
-    monkeypatch.setattr(standalone, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(standalone, "_raw_stream", lambda index: 0)
+    monkeypatch.setattr(launch_forward, "launch_in_context", fake)
+    monkeypatch.setattr(launch_forward, "sm_count", lambda index: 132)
+    monkeypatch.setattr(launch_forward, "raw_stream", lambda index: 0)
     monkeypatch.setattr(k, "_tensor_map", lambda t, rows: bytes(128))
     # CPU tensors are device index -1; only the fields the launch reads are filled in.
-    k._loaded[-1] = standalone._Loaded(0, 0, lambda *a: None, lambda: 0, lambda c: None, None)
+    k._loaded[-1] = launch_forward.Loaded(0, 0, lambda *a: None, lambda: 0, lambda c: None, None)
     q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
-    p = standalone.Problem(1, 2, 2, 300, 300, 128)
+    p = launch_forward.Problem(1, 2, 2, 300, 300, 128)
     for _ in range(2):
         k.launch(q, q, q, torch.empty_like(q), None, p, 0.1)
     if scheduler == "static":
@@ -491,6 +492,6 @@ def test_a_wgmma_kernel_refuses_other_gpus(monkeypatch: pytest.MonkeyPatch) -> N
     k = CudaKernel(c.identity, head_dim=64, dtype="fp16", causal=False, block_m=c.block_m,
                    threads=c.threads, smem_bytes=c.smem_bytes, arch="sm_90a", cubin=b"x",
                    source="// source", tma=tma_params(c.family, c.params))
-    monkeypatch.setattr(standalone, "device_arch", lambda index: "sm_89")
+    monkeypatch.setattr(launch_forward, "device_arch", lambda index: "sm_89")
     with pytest.raises(NoKernelError, match="needs sm_90a"):
         k.load(0)

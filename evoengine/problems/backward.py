@@ -103,7 +103,7 @@ class Backward(Forward):
         import torch
 
         from evoengine import measure
-        from evoengine._standalone import KERNEL_DTYPES
+        from evoengine.launch import KERNEL_DTYPES
 
         w = workload
         dtype = KERNEL_DTYPES[w.dtype]

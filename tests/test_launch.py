@@ -12,13 +12,12 @@ import ast
 import struct
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-from evoengine import _standalone as sa
-from evoengine._standalone import (
+from evoengine import launch as sa
+from evoengine.launch import (
     CudaBackward,
     CudaKernel,
     Entry,
@@ -37,7 +36,6 @@ from evoengine._standalone import (
 )
 from tests.test_runtime import cuda_like
 
-LAUNCHER = Path(sa.__file__)
 STDLIB = set(sys.stdlib_module_names)
 
 
@@ -54,15 +52,52 @@ def imported_roots(source: str, *, top_level: bool = False) -> set[str]:
 
 
 def test_launcher_imports_torch_cupy_transformers_and_the_stdlib_only() -> None:
-    roots = imported_roots(LAUNCHER.read_text())
+    roots = imported_roots(sa.module_text())
     assert {"torch", "cupy"} <= roots
     assert roots - STDLIB == {"torch", "cupy", "transformers"}  # transformers: on request
+    for path in sa.module_paths():  # and each module, besides its siblings
+        assert imported_roots(path.read_text()) - STDLIB <= {"torch", "cupy", "transformers",
+                                                             "evoengine"}
 
 
 def test_cupy_is_imported_only_when_a_kernel_loads() -> None:
-    top = imported_roots(LAUNCHER.read_text(), top_level=True)
+    top = imported_roots(sa.module_text(), top_level=True)
     assert "torch" in top
     assert "cupy" not in top and "transformers" not in top
+
+
+def test_launcher_modules_join_into_one_namespace() -> None:
+    # Joined, the modules share one namespace: a top-level name defined in two would silently
+    # take the later one's value; siblings are imported at module level only (those lines
+    # are what the join drops), and only from modules earlier in MODULES.
+    defined: dict[str, str] = {}
+    order = {name: i for i, name in enumerate(sa.MODULES)}
+    for path in sa.module_paths():
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            names: list[str] = []
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            elif isinstance(node, ast.Try):
+                names = [n.name for h in node.handlers for n in h.body
+                         if isinstance(n, ast.FunctionDef)]
+            for name in names:
+                assert name not in defined, f"{name} in {path.name} and {defined[name]}"
+                defined[name] = path.name
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("evoengine"):
+                sibling = node.module.rpartition(".")[2]
+                assert order[sibling] < order[path.stem], f"{path.name} imports {sibling}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.col_offset:
+                assert not (node.module or "").startswith("evoengine"), path.name
+    namespace: dict[str, object] = {}
+    exec(compile(sa.module_text(), "launcher", "exec"), namespace)
+    assert isinstance(namespace["TunedAttention"], type)
+    assert set(namespace["KERNEL_CLASSES"]) == set(sa.KINDS) == {"fwd", "bwd"}
 
 
 @pytest.mark.parametrize(("cubin", "device", "runs"), [
@@ -77,12 +112,12 @@ def test_cubin_runs_on(cubin: str, device: str, runs: bool) -> None:
 def test_launch_arguments_sit_where_the_kernel_reads_them() -> None:
     # attn_fwd(5 pointers, 4 int, 12 long long, float): each at its natural alignment.
     fields = "QQQQQiiiiqqqqqqqqqqqqf"
-    assert len(sa._ARG_OFFSETS) == len(fields) == 22
-    for i, offset in enumerate(sa._ARG_OFFSETS):
+    assert len(sa.forward._ARG_OFFSETS) == len(fields) == 22
+    for i, offset in enumerate(sa.forward._ARG_OFFSETS):
         assert struct.calcsize("@" + fields[:i]) == offset  # native (C) layout
         assert struct.calcsize("=" + fields[:i]) == offset  # as packed: no padding needed
         assert offset % struct.calcsize(fields[i]) == 0
-    assert sa._ARGS.size == 156
+    assert sa.forward._ARGS.size == 156
 
 
 def test_cubins_pack_as_text_and_back() -> None:
@@ -240,7 +275,7 @@ def test_bad_shapes_are_named(tuned: TunedAttention, args: tuple, message: str) 
 
 def test_grid_limits_are_checked() -> None:
     with pytest.raises(ValueError, match="at most 65535"):
-        sa._check_grid(sa.Problem(70000, 1, 1, 8, 8, 64))
+        sa.check_grid(sa.Problem(70000, 1, 1, 8, 8, 64))
 
 
 def test_a_gpu_that_cannot_run_the_kernel_is_named_or_falls_back(

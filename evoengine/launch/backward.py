@@ -1,0 +1,185 @@
+"""The backward kernel's launcher: ``CudaBackward``, three kernels of one cubin.
+
+Backward ABI (mma_bwd, wgmma_bwd): three kernels of one cubin, launched in order on torch's
+current stream; the first and last are one source for every backward family
+(``templates/common/bwd_prepost.cuh``):
+
+- ``attn_bwd_pre(O, dO, LSE, LSE2, DELTA, dQacc, seq_q, heads, seq_q_pad, o_sb, o_sh, o_ss,
+  do_sb, do_sh, do_ss)`` on (ceil(seq_q_pad / 32), heads, batch) blocks of 256 threads: per
+  query row, delta = rowsum(dO * O) and the log-sum-exp in base 2, padded to whole query
+  blocks (seq_q_pad); zeroes the fp32 dQ accumulator (dQacc, null when dQ is stored in parts);
+- ``attn_bwd(Q, K, V, dO, LSE2, DELTA, dQacc, dQpart, dK, dV, seq_q, seq_k, heads, kv_group,
+  seq_q_pad, <q, k, v, dO, dK, dV strides: batch, head, seq each>, scale, scale_log2)`` on
+  (ceil(seq_k / block_n), kv_heads, batch) blocks of the candidate's threads and shared memory:
+  dK and dV (summed over each key/value head's query heads), and dQ added into dQacc with
+  atomics, or, when dQpart is given, stored per key block into dQpart [key blocks, B, H, Sq, D]
+  (fp32);
+- ``attn_bwd_post(dQacc, dQpart, dQ, seq_q, seq_k, heads, dq_sb, dq_sh, dq_ss, scale)`` on
+  (ceil(seq_q * head_dim / 8 / 256), heads, batch) blocks of 256 threads: dQ to fp16/bf16,
+  scaled, the parts summed in key order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from evoengine.launch.core import (
+    LOG2E,
+    ParamBuffer,
+    check_grid,
+    check_inputs,
+    check_like,
+    launch_in_context,
+    raw_stream,
+    softmax_scale,
+)
+from evoengine.launch.forward import CudaKernel
+
+BACKWARD_ENTRIES = ("attn_bwd_pre", "attn_bwd", "attn_bwd_post")
+# The launch shapes of the first and last kernels, as the template's cfg::PRE_THREADS,
+# PRE_ROWS and POST_THREADS (tests/test_backward.py reads them from a rendered source).
+PRE_THREADS = 256
+PRE_ROWS = 32
+POST_THREADS = 256
+
+
+
+BWD_PRE_ARGS = ParamBuffer("QQQQQQ" + "iii" + "q" * 6)
+BWD_MAIN_ARGS = ParamBuffer("Q" * 10 + "i" * 5 + "q" * 18 + "ff")
+BWD_POST_ARGS = ParamBuffer("QQQ" + "iii" + "qqq" + "f")
+
+
+
+class CudaBackward:
+    """One backward kernel (three entries of one cubin or source):
+    ``kernel(q, k, v, out, lse, dout, causal=...) -> (dq, dk, dv)``.
+
+    ``out`` and ``lse`` are the forward's output and natural-log log-sum-exp (float32
+    [B, H, Sq], contiguous; -inf on rows that see no key), as the forward kernels write them.
+    ``deterministic=True`` (or a kernel built with ``dq_accum="separate"``) stores dQ per key
+    block and sums the parts in order: bit-identical results run to run, at the cost of one
+    fp32 dQ per key block of workspace. Loads on first use per device.
+    """
+
+    kind = "bwd"  # the problem it solves (dispatch.KERNEL_CLASSES)
+
+    def __init__(self, name: str, *, head_dim: int, dtype: str, causal: bool, block_m: int,
+                 block_n: int, threads: int, smem_bytes: int, dq_accum: str,
+                 arch: str | None = None, cubin: bytes | None = None,
+                 source: str | None = None,
+                 defines: Mapping[str, int] | None = None) -> None:
+        if dq_accum not in ("atomic", "separate"):
+            raise ValueError(f"kernel {name}: dq_accum must be 'atomic' or 'separate', "
+                             f"got {dq_accum!r}")
+        common: dict[str, Any] = dict(head_dim=head_dim, dtype=dtype, causal=causal,
+                                      block_m=block_m, arch=arch, cubin=cubin, source=source,
+                                      defines=defines)
+        pre, main, post = BACKWARD_ENTRIES
+        self.pre = CudaKernel(f"{name}:{pre}", threads=PRE_THREADS, smem_bytes=0, entry=pre,
+                              **common)
+        self.main = CudaKernel(name, threads=threads, smem_bytes=smem_bytes, entry=main,
+                               **common)
+        self.post = CudaKernel(f"{name}:{post}", threads=POST_THREADS, smem_bytes=0,
+                               entry=post, **common)
+        self.name, self.arch, self.cubin, self.source = name, arch, cubin, source
+        self.head_dim, self.dtype, self.causal = self.main.head_dim, dtype, self.main.causal
+        self.block_m, self.block_n = self.main.block_m, int(block_n)
+        self.dq_accum = dq_accum
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any], arch: str | None, *, cubin: bytes | None,
+                  source: str | None) -> CudaBackward:
+        """The kernel an export's spec describes (``dispatch.kernel_from_spec``)."""
+        problem, params = spec["problem"], spec["params"]
+        return cls(spec["name"], head_dim=problem["HEAD_DIM"], dtype=problem["DTYPE"],
+                   causal=problem["CAUSAL"], block_m=spec["block_m"], block_n=params["BLOCK_N"],
+                   threads=spec["threads"], smem_bytes=spec["smem_bytes"],
+                   dq_accum=params["DQ_ACCUM"], arch=arch, cubin=cubin, source=source,
+                   defines=spec.get("defines"))
+
+    def __repr__(self) -> str:
+        return f"CudaBackward({self.name!r})"
+
+    def load(self, index: int) -> None:
+        """Load the three kernels on CUDA device ``index`` (once each); raises
+        ``NoKernelError`` where they cannot run."""
+        for kernel in (self.pre, self.main, self.post):
+            kernel.load(index)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 dout: Tensor, *, causal: bool, scale: float | None = None,
+                 dq: Tensor | None = None, dk: Tensor | None = None, dv: Tensor | None = None,
+                 deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """Gradients of attention(q, k, v) for the output gradient ``dout``, written into
+        ``dq``, ``dk``, ``dv`` where given (any strides, contiguous last dim)."""
+        p = check_inputs(q, k, v, head_dim=self.head_dim, dtype=self.dtype)
+        check_grid(p)
+        if bool(causal) != self.causal:
+            raise ValueError(f"this kernel is compiled for causal={self.causal}, "
+                             f"got causal={bool(causal)}")
+        check_like("out", out, q, "q")
+        check_like("dout", dout, q, "q")
+        if not isinstance(lse, Tensor):
+            raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
+        if (lse.shape != (p.batch, p.heads, p.seq_q) or lse.dtype != torch.float32
+                or not lse.is_contiguous() or lse.device != q.device):
+            raise ValueError(f"lse must be a contiguous float32 [{p.batch}, {p.heads}, "
+                             f"{p.seq_q}] on {q.device}, got {tuple(lse.shape)} {lse.dtype} "
+                             f"on {lse.device}")
+        scale = softmax_scale(scale, p.head_dim)
+        new = dict(memory_format=torch.contiguous_format)
+        dq = torch.empty_like(q, **new) if dq is None else check_like("dq", dq, q, "q")
+        dk = torch.empty_like(k, **new) if dk is None else check_like("dk", dk, k, "k")
+        dv = torch.empty_like(v, **new) if dv is None else check_like("dv", dv, v, "v")
+        self.launch(q, k, v, out, lse, dout, dq, dk, dv, scale=scale,
+                    deterministic=bool(deterministic))
+        return dq, dk, dv
+
+    def launch(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+               dq: Tensor, dk: Tensor, dv: Tensor, *, scale: float,
+               deterministic: bool) -> None:
+        """Launch the three kernels on torch's current stream, without checks."""
+        b, h, sq, d = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        index = q.get_device()
+        pre, main, post = (kernel.load(index) for kernel in (self.pre, self.main, self.post))
+        stream = raw_stream(index)
+        seq_q_pad = -(-sq // self.block_m) * self.block_m
+        n_blocks = -(-sk // self.block_n)
+        # Workspace, from torch's stream-ordered allocator: dropped after the launches are
+        # enqueued, its memory goes only to work ordered after them on this stream.
+        rows = torch.empty((2, b, h, seq_q_pad), dtype=torch.float32, device=q.device)
+        lse2, delta = rows[0], rows[1]
+        if deterministic or self.dq_accum == "separate":
+            acc = None
+            part = torch.empty((n_blocks, b, h, sq, d), dtype=torch.float32, device=q.device)
+        else:
+            acc = torch.empty((b, h, sq, d), dtype=torch.float32, device=q.device)
+            part = None
+        acc_ptr = 0 if acc is None else acc.data_ptr()
+        part_ptr = 0 if part is None else part.data_ptr()
+
+        args = BWD_PRE_ARGS.pack(out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
+                                 lse2.data_ptr(), delta.data_ptr(), acc_ptr, sq, h, seq_q_pad,
+                                 *out.stride()[:3], *dout.stride()[:3])
+        launch_in_context(pre, (pre.fn, -(-seq_q_pad // PRE_ROWS), h, b, PRE_THREADS, 1, 1,
+                                 0, stream, ctypes.addressof(args[1]), 0))
+        strides = [s for t in (q, k, v, dout, dk, dv) for s in t.stride()[:3]]
+        args = BWD_MAIN_ARGS.pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(),
+                                  lse2.data_ptr(), delta.data_ptr(), acc_ptr, part_ptr,
+                                  dk.data_ptr(), dv.data_ptr(), sq, sk, h, h // hkv, seq_q_pad,
+                                  *strides, scale, scale * LOG2E)
+        launch_in_context(main, (main.fn, n_blocks, hkv, b, self.main.threads, 1, 1,
+                                  self.main.smem_bytes, stream, ctypes.addressof(args[1]), 0))
+        args = BWD_POST_ARGS.pack(acc_ptr, part_ptr, dq.data_ptr(), sq, sk, h,
+                                  *dq.stride()[:3], scale)
+        chunks = sq * (d // 8)
+        launch_in_context(post, (post.fn, -(-chunks // POST_THREADS), h, b, POST_THREADS, 1, 1,
+                                  0, stream, ctypes.addressof(args[1]), 0))
+        del rows, acc, part  # only now: every launch has read their addresses
+

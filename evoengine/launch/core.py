@@ -1,0 +1,296 @@
+"""What every launcher module shares: the errors, the input checks, SDPA with the kernels'
+semantics (the reference and the fallback), devices, loading a cubin or compiling a source
+with cupy, launching in a device's context, and packing kernel parameters.
+
+``evoengine.launch`` is the one launcher of the project (its ``__init__`` says how the modules
+fit together). Like every module of the package it imports nothing but torch, cupy (lazily: a
+module built on it still imports on a machine without a GPU) and the standard library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import struct
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+LOG2E = 1.4426950408889634
+KERNEL_NAME = "attn_fwd"
+KERNEL_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in KERNEL_DTYPES.items()}
+FALLBACKS = (None, "sdpa")
+MIN_SM = 80  # cp.async and mma.sync m16n8k16
+# NVRTC's options for every kernel, besides the target and the defines: the one list, which
+# evoengine.compile reads from this file (offline builds) and exported modules carry (builds
+# on another GPU). -default-device: NVRTC 13.0 (the GPU box's) treats a lambda in a kernel as
+# a host function unless told that unannotated functions are device code; 13.5 does not care.
+NVRTC_OPTIONS = ("-std=c++17", "-default-device", "--extra-device-vectorization")
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z: heads and batch
+
+
+class NoKernelError(ValueError):
+    """No tuned kernel serves this call (dtype, head dim, causal, or the GPU itself)."""
+
+
+class IntegrityError(RuntimeError):
+    """An embedded CUDA source or cubin does not match the hash recorded when exporting."""
+
+
+class Problem(NamedTuple):
+    """The shapes of one call, read off the tensors."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, head_dim: int | None = None,
+                 dtype: str | None = None, any_float: bool = False,
+                 pointers: bool = True) -> Problem:
+    """Reject what the kernels cannot take, naming what was expected; return the shapes.
+
+    ``any_float`` lets float32/float64 through (for a fallback that is not a kernel);
+    ``pointers=False`` skips the alignment of the data pointers (fake tensors have none).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], "
+                             f"got {tuple(t.shape)}")
+        kernel_dtype = t.dtype in DTYPE_NAMES
+        if not kernel_dtype and not (any_float and t.dtype.is_floating_point):
+            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if t.numel() == 0:
+            raise ValueError(f"{name} is empty: shape {tuple(t.shape)}")
+        strides = t.stride()
+        if strides[-1] != 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {strides}")
+        if kernel_dtype and (strides[0] % 8 or strides[1] % 8 or strides[2] % 8
+                             or (pointers and t.data_ptr() % 16)):
+            raise ValueError(f"{name} must be 16-byte aligned with strides a multiple of 8 "
+                             f"elements, got strides {strides}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if dtype is not None and dtype not in KERNEL_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(KERNEL_DTYPES)}, got {dtype!r}")
+    if dtype is not None and q.dtype != KERNEL_DTYPES[dtype]:
+        raise ValueError(f"this kernel takes {dtype}, got {q.dtype}")
+    b, h, sq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    kb, hkv, sk, kd = k.shape
+    if kb != b or kd != d:
+        raise ValueError(f"k, v must be [{b}, kv_heads, seq_k, {d}] to match q, "
+                         f"got {tuple(k.shape)}")
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
+    if head_dim is not None and d != head_dim:
+        raise ValueError(f"this kernel takes head_dim {head_dim}, got {d}")
+    return Problem(b, h, hkv, sq, sk, d)
+
+
+def rows_aligned(t: Tensor) -> bool:
+    """A contiguous last dim, other strides a multiple of 8 values, a 16-byte aligned start."""
+    strides = t.stride()
+    return strides[-1] == 1 and not any(s % 8 for s in strides[:-1]) and not t.data_ptr() % 16
+
+
+def check_out(out: Tensor, q: Tensor, lse: Tensor | None, p: Problem) -> None:
+    """Reject an output buffer (and log-sum-exp buffer) that the kernel cannot write."""
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must match q: {tuple(q.shape)} {q.dtype} on {q.device}")
+    if not rows_aligned(out):
+        raise ValueError("out must have a contiguous last dim and 16-byte aligned rows")
+    if lse is not None and (lse.shape != (p.batch, p.heads, p.seq_q) or
+                            lse.dtype != torch.float32 or not lse.is_contiguous()
+                            or lse.device != q.device):
+        raise ValueError(f"lse must be a contiguous float32 [{p.batch}, {p.heads}, {p.seq_q}] "
+                         f"on {q.device}")
+
+
+def softmax_scale(scale: float | None, head_dim: int) -> float:
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
+                   scale: float | None = None) -> Tensor:
+    """torch SDPA with the kernels' semantics: GQA, causal aligned bottom-right, and rows
+    that see no key equal to zero."""
+    import torch.nn.functional as F
+
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    if not causal:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    if q.shape[2] == k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    rows = torch.arange(q.shape[2], device=q.device)[:, None]
+    cols = torch.arange(k.shape[2], device=q.device)[None, :]
+    mask = cols <= rows + (k.shape[2] - q.shape[2])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return torch.nan_to_num(out, nan=0.0)  # rows with no key: defined as zero
+
+
+def sdpa_attention_grads(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, *, causal: bool,
+                         scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV of ``sdpa_attention`` through torch SDPA's own backward, in the inputs' dtype.
+
+    Causal rows that see no key (the first seq_q - seq_k) are left out of SDPA's call, whose
+    fully masked rows would give NaN, and get the zero gradient they have by definition; the
+    rest keep the bottom-right alignment (their count equals seq_k).
+    """
+    first = max(0, q.shape[2] - k.shape[2]) if causal else 0
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return sdpa_attention(q, k, v, causal=causal, scale=scale)
+
+    def grads() -> tuple[Tensor, ...]:
+        # torch.func, not torch.autograd: inside a custom op (the backward's fallback) the
+        # autograd keys are excluded and enable_grad records nothing.
+        _, vjp = torch.func.vjp(attend, q[:, :, first:].detach(), k.detach(), v.detach())
+        return vjp(dout[:, :, first:])
+
+    gq, gk, gv = grads()
+    if not all(bool(torch.isfinite(g).all()) for g in (gq, gk, gv)):
+        # Seen on the H100 (2026-11-24): SDPA's fused backward gives NaN for a negative
+        # scale; its math backend, in the same dtype, serves then.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.MATH]):
+            gq, gk, gv = grads()
+    if not first:
+        return gq, gk, gv
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dq[:, :, first:] = gq
+    return dq, gk, gv
+
+
+# ---- devices ------------------------------------------------------------------------------
+
+@functools.cache
+def device_arch(index: int) -> str:
+    """The compile target of CUDA device ``index``: sm_90a on Hopper, sm_XY elsewhere."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+
+
+def sm_number(arch: str) -> int:
+    return int(arch.removeprefix("sm_").rstrip("a"))
+
+
+def cubin_runs_on(cubin_arch: str, arch: str) -> bool:
+    """Whether machine code for ``cubin_arch`` runs on a device of ``arch``: the same major
+    version and no newer minor one; arch-specific targets (sm_90a) only on their own."""
+    if cubin_arch.endswith("a"):
+        return cubin_arch == arch
+    have, want = sm_number(cubin_arch), sm_number(arch)
+    return have // 10 == want // 10 and have <= want
+
+
+try:  # what inductor uses: the raw cudaStream_t as an int, without a Stream object
+    raw_stream: Callable[[int], int] = torch._C._cuda_getCurrentRawStream  # type: ignore[attr-defined]
+except AttributeError:
+    def raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+@functools.cache
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+
+# ---- loading and launching -----------------------------------------------------------------
+
+class Loaded(NamedTuple):
+    """A kernel loaded on one device: what the hot path needs, and what keeps it alive."""
+
+    fn: int  # CUfunction
+    ctx: int  # the device's primary CUcontext, which torch and cupy share
+    launch: Callable[..., None]  # cupy.cuda.driver.launchKernel
+    get_ctx: Callable[[], int]  # cuCtxGetCurrent
+    set_ctx: Callable[[int], None]  # cuCtxSetCurrent
+    owner: object  # the cupy module; unloading it would free the function
+
+
+
+def launch_in_context(loaded: Loaded, args: tuple) -> None:
+    """cuLaunchKernel in the kernel's device context, whatever context the thread has."""
+    current = loaded.get_ctx()
+    if current == loaded.ctx:
+        loaded.launch(*args)
+    elif current == 0:  # a thread with no context yet: bind it, as the runtime would
+        loaded.set_ctx(loaded.ctx)
+        loaded.launch(*args)
+    else:  # another device is current: launch in this one's, then give it back
+        loaded.set_ctx(loaded.ctx)
+        try:
+            loaded.launch(*args)
+        finally:
+            loaded.set_ctx(current)
+
+
+def check_grid(p: Problem) -> None:
+    if p.heads > MAX_GRID_YZ or p.batch > MAX_GRID_YZ:
+        raise ValueError(f"batch and heads must be at most {MAX_GRID_YZ} (CUDA grid limit), "
+                         f"got batch {p.batch}, heads {p.heads}")
+
+
+
+class ParamBuffer:
+    """One kernel's parameter layout: fields at their natural alignment, as the kernel's
+    parameter space lays them out (``codes``: struct letters, Q a pointer, q an int64, i an
+    int32, f a float)."""
+
+    def __init__(self, codes: str) -> None:
+        fmt, offsets, at = "=", [], 0
+        for code in codes:
+            size = struct.calcsize("=" + code)
+            pad = -at % size
+            fmt += f"{pad}x{code}" if pad else code
+            offsets.append(at + pad)
+            at += pad + size
+        self.struct = struct.Struct(fmt)
+        self.offsets = tuple(offsets)
+
+    def pack(self, *values: Any) -> tuple[Any, Any]:
+        """(buffer, pointer array that cuLaunchKernel takes); both must live until the launch
+        has been enqueued."""
+        buf = ctypes.create_string_buffer(self.struct.size)
+        self.struct.pack_into(buf, 0, *values)
+        base = ctypes.addressof(buf)
+        argv = (ctypes.c_void_p * len(self.offsets))(*(base + o for o in self.offsets))
+        return buf, argv
+
+
+
+def check_like(name: str, t: object, like: Tensor, like_name: str) -> Tensor:
+    """``t`` must have ``like``'s shape, dtype and device, a contiguous last dim and 16-byte
+    aligned rows (any other strides)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
+        raise ValueError(f"{name} must match {like_name}: {tuple(like.shape)} {like.dtype} on "
+                         f"{like.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if not rows_aligned(t):
+        raise ValueError(f"{name} must have a contiguous last dim and 16-byte aligned rows, "
+                         f"got strides {t.stride()}")
+    return t
+
