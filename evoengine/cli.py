@@ -234,6 +234,19 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from evoengine.report import Selection, write_report
+
+    selection = Selection(studies=tuple(args.study or ()), tunes=tuple(args.tune or ()),
+                          arch=get_arch(args.arch).name if args.arch else None, kind=args.kind)
+    try:
+        done = write_report(args.store, selection, args.output)
+    except FileNotFoundError as e:
+        raise _missing_store(e, args.store) from None
+    print(done.summary())
+    return 0
+
+
 # ---- GPU commands -------------------------------------------------------------------------
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -520,6 +533,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="at most N rows (default 50)")
     ls.add_argument("--json", action="store_true", help="print one JSON document")
     ls.set_defaults(func=cmd_list)
+
+    from evoengine.problems import PROBLEMS
+
+    rp = sub.add_parser("report", help="write one HTML page of what the searches found",
+                        description="Write one self-contained HTML page (inline SVG plots, no "
+                        "script, nothing fetched) per workload of the selected runs: the best "
+                        "time against evaluations, ours next to the anchors of the final "
+                        "re-time, the elites, the parameter importances of each study; then "
+                        "the runs' devices, commits and dates. With no selection: every run.")
+    _store_option(rp, paths.DEFAULT_STORE, reads=True)
+    rp.add_argument("--study", action="append", metavar="NAME",
+                    help="runs of this study; NAME* for every study starting with NAME "
+                    "(repeatable)")
+    rp.add_argument("--tune", action="append", metavar="NAME",
+                    help="runs of every study of this tune (named NAME/...; repeatable)")
+    rp.add_argument("--arch", help=f"runs on this target only ({archs})")
+    rp.add_argument("--kind", choices=list(PROBLEMS), help="runs of this problem kind only")
+    rp.add_argument("-o", "--output", default="runs/report.html", metavar="FILE",
+                    help="the page to write (default runs/report.html)")
+    rp.set_defaults(func=cmd_report)
 
     sh = sub.add_parser("show", help="show one candidate: parameters, compile reports, timings")
     sh.add_argument("identity")
