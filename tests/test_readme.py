@@ -160,6 +160,13 @@ def check_export(argv: list[str], done: subprocess.CompletedProcess, walk: Walk)
         '"""Tuned attention kernels for sm_90a')
 
 
+def check_report(argv: list[str], done: subprocess.CompletedProcess, walk: Walk) -> None:
+    ok(done)
+    assert done.stdout.strip() == "report of 1 runs on 1 workloads written to runs/report.html"
+    page = (walk.folder / "runs" / "report.html").read_text()
+    assert page.count("<svg") == 2 and 'class="elites"' in page
+
+
 CHECKS: dict[str, Callable[[list[str], subprocess.CompletedProcess, Walk], None]] = {
     "--version": check_version,
     "compile-check": check_compile_check,
@@ -168,6 +175,7 @@ CHECKS: dict[str, Callable[[list[str], subprocess.CompletedProcess, Walk], None]
     "list elites": check_list_elites,
     "show": check_show,
     "export": check_export,
+    "report": check_report,
 }
 
 # Steps that fail today for a known reason elsewhere; strict=False, so they pass unmarked

@@ -72,6 +72,9 @@ def study_importances(url: str, study: str) -> StudyImportance:
         loaded = optuna.load_study(study_name=study, storage=url)
     except KeyError:
         return StudyImportance(study, notes=(f"no Optuna study named {study!r} in the store",))
+    except (RuntimeError, ValueError, sa.exc.SQLAlchemyError) as e:  # e.g. an older schema
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return StudyImportance(study, notes=(f"Optuna could not open the study: {first}",))
     trials = loaded.get_trials(deepcopy=False)
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE
                 and t.value is not None and FAMILY in t.params]
