@@ -4,6 +4,7 @@ recorded H100 sweeps, the page checked with the standard library's HTML parser."
 from __future__ import annotations
 
 import html.parser
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,11 +25,13 @@ SWEEP = {key: DATA / f"sweep-sm_90a-{key}.json.gz" for key in (D64, D128)}
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Two workloads: the default study of each (40 trials), and a tune ``t1`` whose study of
-    the d64 workload searches it again (a second study of one workload)."""
+    the d64 workload searches it again (a second study of one workload). One compiler
+    process: a replay's compiles are lookups, and a pool of them only costs start-up."""
     db = str(tmp_path_factory.mktemp("report") / "replay.db")
-    for key, extra in ((D64, []), (D128, []), (D64, ["--study", f"t1/sm_90a-{D64}"])):
-        assert main(["search", "--replay", str(SWEEP[key]), "--trials", "40", "--store", db,
-                     "--seed", "1", *extra]) == 0
+    for key, trials, extra in ((D64, 40, []), (D128, 40, []),
+                               (D64, 24, ["--study", f"t1/sm_90a-{D64}"])):
+        assert main(["search", "--replay", str(SWEEP[key]), "--trials", str(trials), "--store",
+                     db, "--seed", "1", "--workers", "1", *extra]) == 0
     return db
 
 
@@ -104,6 +107,7 @@ def test_the_page_of_every_run(store: str, tmp_path: Path) -> None:
     assert set(page.sections) == set(elites)
     for w, counts in page.sections.items():
         assert counts["svg"] == 2, w  # the progression and the anchors, one <svg> each
+        assert counts["table"] >= 2, w  # the elites, and importances of at least one family
         assert page.classes[w][:4] == ["progress", "anchors", "elites", "importance"]
         assert page.elite_rows[w] == elites[w] and len(elites[w]) == 5
     assert page.run_rows == sorted(r.id for r in runs)
@@ -201,3 +205,43 @@ def test_importances_say_why_a_study_cannot_be_judged(tmp_path: Path) -> None:
     (mma,) = one.families
     assert set(mma.importances) == {"A", "B"} and mma.importances["A"] > mma.importances["B"]
     assert "no Optuna study named" in study_importances(url, "other").notes[0]
+
+
+def test_the_bars_are_the_final_retimes_anchors(tmp_path: Path) -> None:
+    """FA4 is drawn where the re-time timed it; an anchor that could not run is named; the
+    run whose re-time found the fastest point gives the bars, with its own anchors."""
+    db = tmp_path / "hand.db"
+    key = "b1-h8-kv8-sq512-sk512-d64-full-fp16"
+    with Store(db) as s:
+        s.add_candidate(identity="a", family="mma", template_hash="h", params={"X": 1},
+                        problem={}, source="")
+        for ours, cudnn in ((9.0, 8.0), (7.5, 7.0)):
+            run = s.start_run(arch="sm_90a", workload={"kind": "fwd", "batch": 1, "heads": 8,
+                                                       "seq_q": 512, "head_dim": 64},
+                              workload_key=key, device="GPU X")
+            s.add_measurement(run, "a", ok=True, median_us=ours, extra={"phase": "search"})
+            s.add_measurement(run, "a", ok=True, median_us=ours, extra={
+                "phase": "final", "rounds": 3, "sdpa_flash_us": None, "sdpa_cudnn_us": cudnn,
+                "fa4_us": 7.25})
+            s.finish_run(run)
+    report = write_report(db, Selection(arch="sm_90a"), tmp_path / "r.html")
+    page = parse(report.path)
+    (counts,) = page.sections.values()
+    assert counts["svg"] == 2
+    text = " ".join(page.text)
+    assert "final re-time of run 2" in text and "Not timed: SDPA flash" in text
+    assert "FlashAttention-4" in text and "7.0 µs" in text and "8.0 µs" not in text
+
+
+def test_importances_without_scikit_learn_are_ped_anova(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    dist = optuna.distributions.CategoricalDistribution
+    study = optuna.create_study(study_name="s", storage=url)
+    study.add_trials([optuna.trial.create_trial(
+        params={"family": "mma", "mma.A": 1 + i % 2, "mma.B": 1 + i % 3},
+        distributions={"family": dist(["mma"]), "mma.A": dist([1, 2]), "mma.B": dist([1, 2, 3])},
+        value=10.0 + i % 2 + 0.01 * i) for i in range(30)])
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn raises ImportError
+    found = study_importances(url, "s")
+    assert found.evaluator == "PED-ANOVA" and set(found.families[0].importances) <= {"A", "B"}

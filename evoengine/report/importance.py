@@ -15,10 +15,12 @@ Optuna tables, no such study, too few trials, Optuna's own refusal).
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 from dataclasses import dataclass, field
 
+import optuna
 import sqlalchemy as sa
+from optuna.importance import BaseImportanceEvaluator
+from optuna.trial import FrozenTrial, TrialState
 
 from evoengine.search.domain import FAMILY
 
@@ -63,8 +65,6 @@ def has_optuna_tables(url: str) -> bool:
 
 def study_importances(url: str, study: str) -> StudyImportance:
     """The importances of ``study`` in the Optuna storage at ``url`` (the store's URL)."""
-    import optuna
-
     if not has_optuna_tables(url):
         return StudyImportance(study, notes=("the store holds no Optuna studies",))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -76,59 +76,57 @@ def study_importances(url: str, study: str) -> StudyImportance:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return StudyImportance(study, notes=(f"Optuna could not open the study: {first}",))
     trials = loaded.get_trials(deepcopy=False)
-    complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE
+    complete = [t for t in trials if t.state == TrialState.COMPLETE
                 and t.value is not None and FAMILY in t.params]
-    evaluator, name = _evaluator()
-    per_family = Counter(str(t.params[FAMILY]) for t in complete)
-    notes: list[str] = []
     if len(complete) < MIN_TRIALS:
-        notes.append(f"too small for importances: {len(complete)} completed trials "
-                     f"(at least {MIN_TRIALS} needed)")
-        return StudyImportance(study, len(complete), len(trials), None, (), tuple(notes))
-    if len(per_family) == 1:
-        notes.append(f"one family ({next(iter(per_family))}): the importances are of its "
-                     "parameters; the choice of family is not compared")
+        return StudyImportance(study, len(complete), len(trials), notes=(
+            f"too small for importances: {len(complete)} completed trials (at least "
+            f"{MIN_TRIALS} needed)",))
+    by_family: dict[str, list[FrozenTrial]] = {}
+    for t in sorted(complete, key=lambda t: t.value or 0.0):  # fastest family first
+        by_family.setdefault(str(t.params[FAMILY]), []).append(t)
+    if len(by_family) == 1:
+        note = (f"one family ({next(iter(by_family))}): the importances are of its "
+                "parameters; the choice of family is not compared")
     else:
-        notes.append(f"{len(per_family)} families, compared by their best times (below), not "
-                     "by importance: each family's parameters exist only in its own trials")
-    families = tuple(_family(optuna, evaluator, f, [t for t in complete
-                                                    if t.params[FAMILY] == f])
-                     for f, _ in per_family.most_common())
-    return StudyImportance(study, len(complete), len(trials), name, families, tuple(notes))
+        note = (f"{len(by_family)} families, compared by their best times (below), not by "
+                "importance: each family's parameters exist only in its own trials")
+    evaluator, name = _evaluator()
+    families = tuple(_family(evaluator, f, ts) for f, ts in by_family.items())
+    return StudyImportance(study, len(complete), len(trials), name, families, (note,))
 
 
-def _family(optuna, evaluator, family: str, trials: list) -> FamilyImportance:  # type: ignore[no-untyped-def]
+def _family(evaluator: BaseImportanceEvaluator, family: str,
+            trials: list[FrozenTrial]) -> FamilyImportance:
     """Importances of ``family``'s parameters over its completed trials."""
-    best = min(t.value for t in trials)
+    best = min(float(t.value or 0.0) for t in trials)
     if len(trials) < MIN_TRIALS:
-        return FamilyImportance(family, len(trials), best, note=f"too few trials ({len(trials)}; "
-                                f"at least {MIN_TRIALS} needed)")
+        return FamilyImportance(family, len(trials), best, note=f"too few trials "
+                                f"({len(trials)}; at least {MIN_TRIALS} needed)")
     prefix = f"{family}."
-    study = optuna.create_study(direction="minimize")
-    study.add_trials([optuna.trial.create_trial(
+    own = optuna.create_study(direction="minimize")
+    own.add_trials([optuna.trial.create_trial(
         params={k[len(prefix):]: v for k, v in t.params.items() if k.startswith(prefix)},
         distributions={k[len(prefix):]: d for k, d in t.distributions.items()
                        if k.startswith(prefix)},
         value=t.value) for t in trials])
-    varied = [n for n in study.trials[0].params
-              if len({repr(t.params.get(n)) for t in study.trials}) > 1]
+    varied = [n for n in own.trials[0].params
+              if len({repr(t.params.get(n)) for t in own.trials}) > 1]
     if not varied:
         return FamilyImportance(family, len(trials), best,
                                 note="every trial has the same parameters")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            found = optuna.importance.get_param_importances(study, evaluator=evaluator,
+            found = optuna.importance.get_param_importances(own, evaluator=evaluator,
                                                             params=varied)
     except (ValueError, RuntimeError) as e:
         return FamilyImportance(family, len(trials), best, note=f"Optuna could not tell: {e}")
     return FamilyImportance(family, len(trials), best, {k: float(v) for k, v in found.items()})
 
 
-def _evaluator():  # type: ignore[no-untyped-def]
+def _evaluator() -> tuple[BaseImportanceEvaluator, str]:
     """fANOVA (seeded) where scikit-learn imports, else PED-ANOVA; with its name."""
-    import optuna
-
     try:
         import sklearn  # noqa: F401
     except ImportError:
