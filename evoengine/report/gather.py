@@ -11,7 +11,7 @@ Contract. Reading only: nothing here writes to the store. ``gather`` raises ``Va
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from evoengine.problems import DEFAULT_KIND, workload_from_dict, workload_from_key
@@ -92,10 +92,10 @@ class WorkloadReport:
     kind: str
     workload: Any | None  # the problem's workload object; None where it cannot be rebuilt
     runs: tuple[RunRecord, ...]
-    progressions: tuple[Progression, ...]
+    studies: tuple[str, ...]  # in the order their first runs started
+    progressions: tuple[Progression, ...]  # one per study, in that order
     final: FinalRetime | None
     elites: tuple[EliteRecord, ...]
-    studies: tuple[str, ...] = field(default=())
 
     @property
     def anchor(self) -> str:
@@ -153,11 +153,9 @@ def _workload_report(store: Store, arch: str, key: str, runs: list[RunRecord],
                 trail.append(best)
         progressions.append(Progression(study, tuple(trail)))
     return WorkloadReport(arch=arch, key=key, kind=run_kind(runs[-1]),
-                          workload=_workload(runs[-1], key), runs=tuple(runs),
-                          progressions=tuple(progressions),
-                          final=_final(runs, measured),
-                          elites=tuple(store.elites(arch=arch, workload_key=key)),
-                          studies=studies)
+                          workload=_workload(runs[-1], key), runs=tuple(runs), studies=studies,
+                          progressions=tuple(progressions), final=_final(runs, measured),
+                          elites=tuple(store.elites(arch=arch, workload_key=key)))
 
 
 def _phase(m: MeasurementRecord) -> str:
