@@ -110,3 +110,4 @@ def encode_tensor_map(address: int, geometry: TmaGeometry, dtype: str) -> bytes:
     if err != 0:
         raise ValueError(f"cuTensorMapEncodeTiled refused {geometry} at {address:#x}: "
                          f"CUresult {err}")
+    return ctypes.string_at(at, 128)
