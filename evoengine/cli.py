@@ -341,9 +341,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         arch = _gpu_arch_or(get_arch("sm_90a"))
     else:
         _cuda_or_fail("tune")
-        from evoengine.runtime import gpu_arch
-
-        arch = gpu_arch()
+        arch = tune.device_arch(args.gpus[0] if args.gpus else args.device or 0)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     plan = tune.plan(geometry, arch, name=name, kinds=kinds, split=args.split,
                      timeout_s=args.timeout or tune.DEFAULT_TIMEOUT_S, trials=args.trials,

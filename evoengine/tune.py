@@ -106,6 +106,27 @@ class TunePlan:
         return "\n".join(lines)
 
 
+def device_arch(device: int = 0) -> Arch:
+    """The target of CUDA device ``device``, asked of a child process: the tune's process,
+    like the search's, never touches CUDA (its GPU workers are spawned processes, and the
+    export compiles offline). ``ValueError`` naming why where there is no such GPU."""
+    import subprocess
+
+    from evoengine.arch import arch_of_capability
+
+    probe = ("import sys, torch; d = int(sys.argv[1]); "
+             "print(*torch.cuda.get_device_capability(d)) if torch.cuda.is_available() "
+             "and d < torch.cuda.device_count() else sys.exit(3)")
+    done = subprocess.run([sys.executable, "-c", probe, str(device)], capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0:
+        raise ValueError(f"no CUDA device {device} is visible to torch"
+                         + (f": {done.stderr.strip().splitlines()[-1]}" if done.stderr.strip()
+                            else ""))
+    major, minor = (int(x) for x in done.stdout.split())
+    return arch_of_capability(major, minor)
+
+
 def study_name(name: str, arch: Arch, workload: Workload) -> str:
     """A tune's study for one workload: ``<tune name>/<arch>-<workload key>``."""
     return f"{name}/{default_study(arch, workload)}"
