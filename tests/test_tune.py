@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import re
 import sys
 import zlib
 from dataclasses import replace
@@ -339,6 +340,38 @@ def test_flags_name_a_geometry_without_a_config(capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert "tune h8-kv8-d128 on sm_80: 8 query heads, 8 key/value heads, head dim 128, fp16, " \
            "non-causal, up to 1024 tokens" in out
+
+
+def test_the_command_tunes_resumes_and_exports(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole command on CPU: the GPU check, the device probe and the search's evaluator
+    and compiler are replaced; the plan, the loop, the store, the resume and the export with
+    its coverage are real."""
+    import evoengine.cli as cli
+
+    monkeypatch.setenv("EVOENGINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cli, "_cuda_or_fail", lambda command: None)
+    monkeypatch.setattr(tune, "device_arch", lambda device=0: SM90)
+    monkeypatch.setattr(tune, "search", lambda config, progress: fake_search()(config, progress))
+    folder = tmp_path / "Tiny-LM"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 256, "max_position_embeddings": 1024,
+        "torch_dtype": "float16"}))
+    argv = ["tune", str(folder / "config.json"), "--trials", "4", "--space", MMA[0],
+            "--store", str(tmp_path / "evo.db"), "-o", str(tmp_path / "tiny.py")]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "tune Tiny-LM (done): 2 workloads searched now, 0 finished before, of 2" in out
+    assert re.search(r"wrote \S+tiny.py: \d+ kernels for sm_90a, 8 dispatch entries", out), out
+    assert "[2/2 fwd b16-h4-kv2-sq1024-sk1024-d64-causal-fp16] study Tiny-LM/sm_90a-" in err
+    module = import_path(tmp_path / "tiny.py", "tiny_cli_under_test")
+    assert set(module.attention.table) == {(d, 64, c) for d in ("fp16", "bf16")
+                                           for c in (False, True)}
+    assert main(argv) == 0
+    assert "0 workloads searched now, 2 finished before, of 2" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, says", [
