@@ -314,6 +314,72 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 130 if result.status == "interrupted" else 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    import signal
+
+    from evoengine import geometry as geo
+    from evoengine import tune
+    from evoengine.search import EvaluatorError, SearchError
+    from evoengine.store import resolve_url
+
+    overrides = dict(heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                     dtype=args.dtype, causal=args.causal, max_seq=args.max_seq)
+    if args.config is not None:
+        geometry = geo.from_config(args.config, **overrides)
+    else:
+        if args.q_heads is None or args.head_dim is None:
+            raise UsageError("tune needs a config.json, or --q-heads and --head-dim")
+        geometry = geo.ModelGeometry(
+            heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+            dtype=args.dtype or "bf16", causal=bool(args.causal),
+            max_seq=args.max_seq or geo.DEFAULT_MAX_SEQ)
+    name = args.name or (geo.default_name(args.config) if args.config else
+                         f"h{geometry.heads}-kv{geometry.kv_heads}-d{geometry.head_dim}")
+    if args.arch is not None:
+        arch = get_arch(args.arch)
+    elif args.dry_run:
+        arch = _gpu_arch_or(get_arch("sm_90a"))
+    else:
+        _cuda_or_fail("tune")
+        arch = tune.device_arch(args.gpus[0] if args.gpus else args.device or 0)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    plan = tune.plan(geometry, arch, name=name, kinds=kinds, split=args.split,
+                     timeout_s=args.timeout or tune.DEFAULT_TIMEOUT_S, trials=args.trials,
+                     spaces=args.space)
+    if args.dry_run:
+        print(plan.describe())
+        return 0
+    _cuda_or_fail("tune")
+    print(plan.describe(), file=sys.stderr)
+    options = dict(seed=args.seed, compile_workers=args.workers,
+                   eval_timeout_s=args.eval_timeout, device=args.device or 0, gpus=args.gpus)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        result = tune.tune(plan, store=resolve_url(args.store), output=args.output,
+                           spaces=args.space, options=options)
+    except (SearchError, EvaluatorError) as e:
+        raise UsageError(str(e)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(result.summary())
+    if result.status != "done":
+        print(f"evoengine: run the same command again to resume tune {plan.name}",
+              file=sys.stderr)
+    return 130 if result.status == "interrupted" else 0
+
+
+def _gpu_arch_or(default: Arch) -> Arch:
+    """The GPU's target, or ``default`` (said on stderr) where torch sees none."""
+    from evoengine.runtime import NoGPUError, gpu_arch
+
+    try:
+        return gpu_arch()
+    except (NoGPUError, ImportError, ValueError):
+        print(f"evoengine: no GPU here: planning for {default.name} (--arch to choose)",
+              file=sys.stderr)
+        return default
+
+
 def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from evoengine.problems import problem
 
@@ -397,7 +463,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise UsageError(f"export needs a CUDA GPU to pick the target ({e}); name one "
                              "with --arch, e.g. --arch sm_90a: cubins compile offline") from None
     _open_store(args.store).close()  # a missing store is named with a hint, as for `list`
-    done = export_best(args.store, arch, study=args.study, output=args.output)
+    done = export_best(args.store, arch, study=args.study, output=args.output,
+                       tune=args.tune, cover=args.cover or args.tune is not None)
     print(done.summary())
     return 0
 
@@ -498,6 +565,56 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --replay, sleep this long per evaluation (default 0)")
     s.set_defaults(func=cmd_search)
 
+    t = sub.add_parser("tune", help="search every call of a model's attention, export one "
+                       "module", description="Read a model's attention geometry from its "
+                       "Transformers config.json (or flags), search kernels for the calls it "
+                       "makes (prefill lengths 512, 1K, 2K, ... up to its maximum, ~16K tokens "
+                       "per call), splitting one --timeout over them, and export one module "
+                       "that serves every call of that geometry. Running the same command "
+                       "again resumes: finished workloads are skipped.")
+    t.add_argument("config", nargs="?", help="the model's config.json (optional with "
+                   "--q-heads and --head-dim)")
+    g = t.add_argument_group("geometry (override the config's)")
+    g.add_argument("--q-heads", type=positive_int, metavar="N", help="query heads")
+    g.add_argument("--kv-heads", type=positive_int, metavar="N",
+                   help="key/value heads (default: the query heads)")
+    g.add_argument("--head-dim", type=positive_int, metavar="D", help="head dim")
+    g.add_argument("--dtype", choices=["fp16", "bf16"],
+                   help="default: the config's torch_dtype (float32: bf16)")
+    g.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: causal for decoders (architectures ...ForCausalLM)")
+    g.add_argument("--max-seq", type=positive_int, metavar="N",
+                   help="longest sequence to tune for (default: max_position_embeddings, "
+                   "at most 16384)")
+    t.add_argument("--kinds", default="fwd", metavar="K,K",
+                   help="problem kinds to tune, e.g. fwd,bwd (default fwd)")
+    tb = t.add_mutually_exclusive_group()
+    tb.add_argument("--timeout", type=positive_duration,
+                    help="wall-clock budget of the whole tune (default 30m)")
+    tb.add_argument("--trials", type=positive_int, help="trials per workload instead")
+    t.add_argument("--split", choices=["equal", "flops"], default="equal",
+                   help="how --timeout is split over the workloads (default equal)")
+    t.add_argument("--name", help="the tune's name, prefix of its studies (default: the "
+                   "config's folder or file name)")
+    t.add_argument("--arch", help=f"target ({archs}; default: the GPU present)")
+    _store_option(t, paths.DEFAULT_STORE, reads=False)
+    t.add_argument("-o", "--output", default="tuned_attention.py",
+                   help="the module to write (default tuned_attention.py)")
+    t.add_argument("--dry-run", action="store_true",
+                   help="print the plan (workloads, studies, budget split) and stop")
+    t.add_argument("--space", action="append", metavar="FILE", help="search-space file(s)")
+    t.add_argument("--seed", type=non_negative_int, default=None)
+    t.add_argument("--workers", type=positive_int, default=None,
+                   help="compiler processes (default: cores - 1)")
+    t.add_argument("--eval-timeout", type=positive_duration, default=30.0, metavar="SECONDS",
+                   help="a candidate with no answer after this long is a hang (default 30s)")
+    tw = t.add_mutually_exclusive_group()
+    tw.add_argument("--device", type=non_negative_int, default=None,
+                    help="CUDA device index (default 0)")
+    tw.add_argument("--gpus", type=gpu_list, metavar="I,J,...",
+                    help="one evaluator per listed GPU")
+    t.set_defaults(func=cmd_tune)
+
     r = sub.add_parser("record", help="write a recorded sweep from the store (for --replay)",
                        description="Export the search-phase measurements of one workload on one "
                        "target as a replay record (gzip'd JSON, format in "
@@ -519,7 +636,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("which", choices=["best"], help="what to export")
     e.add_argument("--arch", help=f"target ({archs}; default: the GPU present)")
     _store_option(e, paths.DEFAULT_STORE, reads=True)
-    e.add_argument("--study", help="only elites found by runs of this study")
+    which = e.add_mutually_exclusive_group()
+    which.add_argument("--study", help="only elites found by runs of this study")
+    which.add_argument("--tune", metavar="NAME", help="only elites of `evoengine tune`'s "
+                       "studies of this name (implies --cover)")
+    e.add_argument("--cover", action="store_true", help="also compile each tuned kernel for "
+                   "the dtype and causal flag of its head dim that nothing was tuned for")
     e.add_argument("-o", "--output", default="tuned_attention.py",
                    help="the module to write (default tuned_attention.py)")
     e.set_defaults(func=cmd_export)

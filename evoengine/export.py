@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import pprint
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from evoengine._version import __version__
 from evoengine.arch import Arch, get_arch
 from evoengine.compile import compile_many, compile_source, nvrtc_version
 from evoengine.launch import (
+    KERNEL_DTYPES,
     KINDS,
     Entry,
     TunedAttention,
@@ -86,9 +87,11 @@ def _workload_of(elite: EliteRecord, run: RunRecord | None) -> Any:
 EXPORTED_KINDS = KINDS
 
 
-def winners(store: Store, arch: Arch, study: str | None = None) -> list[Winner]:
+def winners(store: Store, arch: Arch, study: str | None = None,
+            tune: str | None = None) -> list[Winner]:
     """The best elite of every workload on ``arch`` whose kind is exported, of runs of
-    ``study`` if given."""
+    ``study`` if given, or of the studies of ``evoengine tune`` named ``tune``
+    (``<tune>/...``)."""
     found = []
     runs: dict[int, RunRecord | None] = {}
     taken: set[str] = set()
@@ -101,6 +104,8 @@ def winners(store: Store, arch: Arch, study: str | None = None) -> list[Winner]:
                 runs[elite.run_id] = store.run(elite.run_id)
             run = runs[elite.run_id]
         if study is not None and (run is None or run.study != study):
+            continue
+        if tune is not None and (run is None or not (run.study or "").startswith(f"{tune}/")):
             continue
         candidate = store.candidate(elite.identity)
         if candidate is None:  # the foreign key makes this impossible; say so if it happens
@@ -116,7 +121,8 @@ def winners(store: Store, arch: Arch, study: str | None = None) -> list[Winner]:
     if not found:
         have = sorted({e.arch for e in store.elites()})
         studies = sorted({r.study for r in store.runs() if r.study and r.arch == arch.name})
-        what = f"{arch.name}" + (f" from study {study!r}" if study is not None else "")
+        what = (f"{arch.name}" + (f" from study {study!r}" if study is not None else "")
+                + (f" from tune {tune!r}" if tune is not None else ""))
         raise ExportError(f"the store has no elites for {what}; it has elites for "
                           f"{', '.join(have) or 'no arch'}"
                           + (f" (studies on {arch.name}: {', '.join(studies)})" if studies
@@ -124,9 +130,12 @@ def winners(store: Store, arch: Arch, study: str | None = None) -> list[Winner]:
     return found
 
 
-def kernel_specs(found: list[Winner], arch: Arch) -> tuple[list[dict[str, Any]], list[Entry]]:
+def kernel_specs(found: list[Winner], arch: Arch,
+                 cover: bool = False) -> tuple[list[dict[str, Any]], list[Entry]]:
     """Compile each distinct winner for ``arch``; its spec (source, cubin, hashes, launch
-    geometry) and one dispatch entry per workload it won."""
+    geometry) and one dispatch entry per workload it won. With ``cover``, also the entries
+    ``derived_entries`` adds, so every (dtype, causal) of each tuned (kind, head dim) has
+    a kernel."""
     records = {w.elite.identity: w.candidate for w in found}
     spaces: dict[str, SearchSpace] = {}
     built: dict[str, tuple[str, Candidate]] = {}  # stored identity -> (kernel name, candidate)
@@ -155,10 +164,26 @@ def kernel_specs(found: list[Winner], arch: Arch) -> tuple[list[dict[str, Any]],
     kernels: dict[str, tuple[str, Candidate]] = {}  # kernel identity -> (stored one, candidate)
     for identity, (name, cand) in built.items():
         kernels.setdefault(name, (identity, cand))
+    named = [  # (kernel name, entry whose kernel index is set once the kernels are known)
+        (built[w.elite.identity][0],
+         Entry(kernel=-1, dtype=w.workload.dtype, head_dim=w.workload.head_dim,
+               causal=w.workload.causal, seq_q=w.workload.seq_q,  # type: ignore[arg-type]
+               seq_k=w.workload.seq_k, batch=w.workload.batch,  # type: ignore[arg-type]
+               heads=w.workload.heads, median_us=w.elite.median_us,
+               workload=w.elite.workload_key, kind=w.workload.kind))
+        for w in found]
+    derived: list[tuple[str, Entry]] = []
+    if cover:
+        by_name = {name: cand for name, (_, cand) in kernels.items()}
+        for cand, entry in derived_entries(named, by_name, spaces, arch):
+            kernels.setdefault(cand.identity, (cand.identity, cand))
+            derived.append((cand.identity, entry))
     current = [cand for name, (_, cand) in kernels.items() if name == cand.identity]
     compiled = dict(zip((c.identity for c in current), compile_many(current, arch),
                         strict=True))
-    specs = []
+    derived_names = {name for name, _ in derived}
+    specs: list[dict[str, Any]] = []
+    index: dict[str, int] = {}
     for name, (identity, cand) in kernels.items():
         if name in compiled:
             source, result = render(cand), compiled[name]
@@ -167,8 +192,11 @@ def kernel_specs(found: list[Winner], arch: Arch) -> tuple[list[dict[str, Any]],
             result = compile_source(source, arch, cand.defines(arch), identity=identity,
                                     smem_bytes=cand.smem_bytes)
         if not result.ok or result.cubin is None:
+            if name in derived_names and identity not in records:
+                continue  # its entries go; the tuned kernels still ship
             raise ExportError(f"elite {identity} does not compile for {arch.name}: "
                               f"{result.error}")
+        index[name] = len(specs)
         specs.append({
             "name": name, "family": cand.family, "kind": spaces[cand.family].kind,
             "problem": dict(cand.problem),
@@ -178,17 +206,63 @@ def kernel_specs(found: list[Winner], arch: Arch) -> tuple[list[dict[str, Any]],
             "source": source, "source_sha256": sha256(source),
             "cubin": result.cubin, "cubin_sha256": sha256(result.cubin),
         })
-    index = {name: i for i, name in enumerate(kernels)}
-    entries = [
-        Entry(kernel=index[built[w.elite.identity][0]], dtype=w.workload.dtype,
-              head_dim=w.workload.head_dim, causal=w.workload.causal,
-              seq_q=w.workload.seq_q, seq_k=w.workload.seq_k,  # type: ignore[arg-type]
-              batch=w.workload.batch, heads=w.workload.heads, median_us=w.elite.median_us,
-              workload=w.elite.workload_key, kind=w.workload.kind)
-        for w in found
-    ]
+    entries = [replace(e, kernel=index[name]) for name, e in (*named, *derived)
+               if name in index]
     return specs, [e for kind in KINDS for group in dispatch_table(entries, kind).values()
                    for e in group]
+
+
+def _source_key(have: list[tuple[str, bool]], dtype: str, causal: bool) -> tuple[str, bool]:
+    """Of the tuned (dtype, causal) pairs, the one a missing pair is derived from: the same
+    masking first (tiles are chosen for it), then the same dtype."""
+    return min(have, key=lambda k: (k[1] != causal, k[0] != dtype))
+
+
+def derived_entries(named: list[tuple[str, Entry]], kernels: dict[str, Candidate],
+                    spaces: dict[str, SearchSpace],
+                    arch: Arch) -> list[tuple[Candidate, Entry]]:
+    """For each (kind, head dim) the tuned entries hold, the (dtype, causal) pairs they
+    lack, each served by copies of the entries of the nearest tuned pair (``_source_key``):
+    the same lengths, with that entry's kernel compiled for the missing pair (its parameters
+    where admitted there, else the nearest admitted point: ``SearchSpace.nearest_admitted``).
+    Such entries say ``tuned=False`` and name the entry they came from (``derived_from``);
+    each comes with its kernel's candidate."""
+    out: list[tuple[Candidate, Entry]] = []
+    groups: dict[tuple[str, int], dict[tuple[str, bool], list[tuple[str, Entry]]]] = {}
+    for name, e in named:
+        groups.setdefault((e.kind, e.head_dim), {}).setdefault((e.dtype, e.causal), []).append(
+            (name, e))
+    memo: dict[tuple[str, str, str, bool], Candidate | None] = {}
+    for (kind, _), by_key in groups.items():
+        have = list(by_key)
+        for dtype in KERNEL_DTYPES:
+            for causal in (False, True):
+                if (dtype, causal) in by_key:
+                    continue
+                for name, src in by_key[_source_key(have, dtype, causal)]:
+                    key = (name, kind, dtype, causal)
+                    if key not in memo:
+                        memo[key] = _derive(kernels[name], spaces, dtype, causal, arch)
+                    cand = memo[key]
+                    if cand is None:
+                        continue
+                    wl = workload_from_key(src.workload) if src.workload else None
+                    there = (replace(wl, dtype=dtype, causal=causal).key()  # type: ignore[type-var]
+                             if wl is not None else "")
+                    out.append((cand, replace(
+                        src, dtype=dtype, causal=causal, median_us=None, workload=there,
+                        tuned=False, derived_from=src.workload)))
+    return out
+
+
+def _derive(source: Candidate, spaces: dict[str, SearchSpace], dtype: str, causal: bool,
+            arch: Arch) -> Candidate | None:
+    space = spaces[source.family]
+    problem = {**source.problem, "DTYPE": dtype, "CAUSAL": causal}
+    params = space.nearest_admitted(source.params, problem, arch)
+    if params is None:
+        return None
+    return make_candidate(space, params, problem, arch)
 
 
 def namespace_of(specs: list[dict[str, Any]], entries: list[Entry], prefix: str) -> str:
@@ -201,15 +275,15 @@ def namespace_of(specs: list[dict[str, Any]], entries: list[Entry], prefix: str)
     return f"{prefix}_{h.hexdigest()[:12]}"
 
 
-def provenance(store: Store, arch: Arch, study: str | None,
-               found: list[Winner]) -> dict[str, Any]:
+def provenance(store: Store, arch: Arch, study: str | None, found: list[Winner],
+               tune: str | None = None) -> dict[str, Any]:
     runs = {w.run.id: w.run for w in found if w.run is not None}
     return {
         "exporter": f"evoengine {__version__}",
         "commit": git_commit(),
         "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "store": _shown(store),
-        "study": study,
+        "study": study if tune is None else f"{tune}/*",
         "arch": arch.name,
         "compiler": nvrtc_version(),
         "launcher_sha256": sha256(module_text()),
@@ -221,19 +295,21 @@ def provenance(store: Store, arch: Arch, study: str | None,
 
 
 def load(store: str | os.PathLike[str] | None = DEFAULT_STORE, arch: Arch | str | None = None,
-         study: str | None = None) -> TunedAttention:
+         study: str | None = None, *, tune: str | None = None,
+         cover: bool = False) -> TunedAttention:
     """The exported module's ``attention``, built straight from the store, for ``arch``
     (default: the GPU present). ``store`` is named as ``Store`` names it (a path or a
-    SQLAlchemy URL) and must exist."""
+    SQLAlchemy URL) and must exist; ``study``, ``tune`` and ``cover`` as for
+    ``export_best``."""
     if arch is None:
         from evoengine.runtime import gpu_arch
 
         arch = gpu_arch()
     arch = get_arch(arch) if isinstance(arch, str) else arch
     with Store(store, create=False) as s:
-        found = winners(s, arch, study)
-        prov = provenance(s, arch, study, found)
-    specs, entries = kernel_specs(found, arch)
+        found = winners(s, arch, study, tune)
+        prov = provenance(s, arch, study, found, tune)
+    specs, entries = kernel_specs(found, arch, cover)
     kernels = [kernel_from_spec(spec, arch.name) for spec in specs]
     return TunedAttention(kernels, entries, namespace=namespace_of(specs, entries, "evoload"),
                           provenance=prov)
@@ -259,14 +335,18 @@ class Exported:
 
 
 def export_best(store: str | os.PathLike[str] | None, arch: Arch | str, *, study: str | None = None,
-                output: str | os.PathLike[str] = "tuned_attention.py") -> Exported:
+                output: str | os.PathLike[str] = "tuned_attention.py", tune: str | None = None,
+                cover: bool = False) -> Exported:
     """Write the module for ``arch`` from ``store`` (a path or a SQLAlchemy URL; it must
-    exist)."""
+    exist): the winners of ``study``, or of the studies of the tune named ``tune``, or of
+    all. With ``cover``, each tuned kernel is also compiled for the (dtype, causal) pairs of
+    its head dim that nothing was tuned for (``derived_entries``), so every call of that
+    head dim finds a kernel."""
     arch = get_arch(arch) if isinstance(arch, str) else arch
     with Store(store, create=False) as s:
-        found = winners(s, arch, study)
-        prov = provenance(s, arch, study, found)
-    specs, entries = kernel_specs(found, arch)
+        found = winners(s, arch, study, tune)
+        prov = provenance(s, arch, study, found, tune)
+    specs, entries = kernel_specs(found, arch, cover)
     text = render_module(specs, entries, prov)
     out = Path(output)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
@@ -323,10 +403,14 @@ def _header(specs: list[dict[str, Any]], entries: list[Entry], prov: dict[str, A
 def _dispatch_lines(specs: list[dict[str, Any]], entries: list[Entry], kind: str) -> list[str]:
     lines = []
     for key, group in dispatch_table(entries, kind).items():
-        lines.append(f"  {describe(key)}")
+        derived = not all(e.tuned for e in group)
+        lines.append(f"  {describe(key)}" + ("  (not tuned: kernels tuned for another dtype "
+                                             "or mask, compiled for this one)" if derived
+                                             else ""))
         for e in group:
             us = f"{e.median_us:9.1f} us" if e.median_us is not None else "         - us"
-            lines.append(f"    sq {e.seq_q:<6} sk {e.seq_k:<6} {us}  {e.workload}")
+            lines.append(f"    sq {e.seq_q:<6} sk {e.seq_k:<6} {us}  {e.workload}"
+                         + (f"  from {e.derived_from}" if not e.tuned else ""))
             lines.append(f"      {specs[e.kernel]['name']}")
     return lines
 

@@ -239,6 +239,31 @@ class SearchSpace:
     def admitted(self, problem: Mapping[str, object], arch: Arch) -> list[dict[str, object]]:
         return [p for p in self.grid() if not self.violations(p, problem, arch)]
 
+    def nearest_admitted(self, params: Mapping[str, object], problem: Mapping[str, object],
+                         arch: Arch) -> dict[str, object] | None:
+        """``params`` where admitted for ``problem``, else the admitted point nearest it (a
+        changed ordered value costs its distance in steps over the domain's span, any other
+        changed value 1; ties: the first in declared order); None where none is admitted.
+        An export covers a problem it has no tuned kernel for this way (the causal kernel's
+        tile order has no meaning without a mask, say)."""
+        params = self.complete(params)
+        if not self.violations(params, problem, arch):
+            return dict(params)
+
+        def distance(point: Mapping[str, object]) -> float:
+            d = 0.0
+            for name, values in self.parameters.items():
+                a, b = params.get(name), point[name]
+                if type(a) is type(b) and a == b:
+                    continue
+                ordered = all(isinstance(v, int | float) and not isinstance(v, bool)
+                              for v in values) and len(values) > 1 and a in values
+                d += (abs(values.index(a) - values.index(b)) / (len(values) - 1)
+                      if ordered else 1.0)
+            return d
+
+        return min(self.admitted(problem, arch), key=distance, default=None)
+
     def size(self) -> int:
         n = 1
         for values in self.parameters.values():

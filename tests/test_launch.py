@@ -12,6 +12,7 @@ import ast
 import struct
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -204,6 +205,29 @@ def test_select_is_pure_python(tuned: TunedAttention) -> None:
     assert tuned.select("bf16", 128, True, 5, 5000).kernel == 2
     assert tuned.select("fp16", 64, True, 512, 512) is None
     assert tuned.select("fp16", 96, False, 512, 512) is None
+
+
+def test_explain_names_the_entry_tuned_or_derived_without_a_gpu() -> None:
+    """explain reads shapes and dtype only (meta tensors here); a derived entry names the
+    tuned one it came from and reports that one's time."""
+    src = replace(E(512, kernel=0), median_us=12.5, workload="b1-h8-kv8-sq512-sk512-d64-full-fp16")
+    derived = replace(E(512, kernel=1, key=("bf16", 64, False)), tuned=False,
+                      workload="b1-h8-kv8-sq512-sk512-d64-full-bf16", derived_from=src.workload)
+    attention = TunedAttention([kernel(), kernel(dtype="bf16")], [src, derived],
+                               namespace="evotest_explain")
+    q = torch.empty(2, 8, 700, 64, dtype=torch.float16, device="meta")
+    why = attention.explain(q, q, q)
+    assert (why.entry, why.kernel, why.tuned, why.measured_us) == (src, "k-fp16-64-0", True, 12.5)
+    assert str(why) == ("fwd fp16 head_dim 64 non-causal b2 h8 sq700 sk700: tuned at "
+                        "b1-h8-kv8-sq512-sk512-d64-full-fp16 (12.5 us measured there), kernel "
+                        "k-fp16-64-0")
+    why = attention.explain(q.bfloat16(), q.bfloat16(), q.bfloat16())
+    assert (why.entry, why.source, why.tuned, why.measured_us) == (derived, src, False, 12.5)
+    assert "derived (not tuned for bf16 non-causal) from the kernel tuned at b1-h8" in str(why)
+    none = attention.explain(q, q, q, causal=True, kind="bwd")
+    assert none.entry is None and "no tuned backward kernel for torch.float16" in str(none)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        attention.explain(q, q, q, kind="decode")
 
 
 def test_an_entry_must_name_a_kernel_of_its_problem() -> None:

@@ -118,6 +118,20 @@ def check_compile_check(argv: list[str], done: subprocess.CompletedProcess, walk
     assert re.fullmatch(rf"{n}/{n} compiled for {arch} in [0-9.]+ s", lines[-1])
 
 
+def check_tune(argv: list[str], done: subprocess.CompletedProcess, walk: Walk) -> None:
+    ok(done)
+    lines = done.stdout.splitlines()
+    assert lines[0] == ("tune Llama-3-8B on sm_90a: 32 query heads, 8 key/value heads, head "
+                        "dim 128, bf16, causal, up to 8192 tokens")
+    assert "5 workloads (fwd), 1800 s split equal:" in lines
+    rows = [line.split() for line in lines if line.startswith("  ") and line.split()[0].isdigit()]
+    assert [(r[2], r[3], r[5]) for r in rows] == [
+        ("32", "512", "360s"), ("16", "1024", "360s"), ("8", "2048", "360s"),
+        ("4", "4096", "360s"), ("2", "8192", "360s")]
+    assert rows[0][6] == "Llama-3-8B/sm_90a-b32-h32-kv8-sq512-sk512-d128-causal-bf16"
+    assert not (walk.folder / paths.DEFAULT_STORE).exists()  # a plan only: nothing written
+
+
 def check_search(argv: list[str], done: subprocess.CompletedProcess, walk: Walk) -> None:
     ok(done)
     trials = int(option(argv, "--trials"))
@@ -170,6 +184,7 @@ def check_report(argv: list[str], done: subprocess.CompletedProcess, walk: Walk)
 CHECKS: dict[str, Callable[[list[str], subprocess.CompletedProcess, Walk], None]] = {
     "--version": check_version,
     "compile-check": check_compile_check,
+    "tune": check_tune,
     "search": check_search,
     "list": check_list,
     "list elites": check_list_elites,

@@ -16,6 +16,7 @@ when the modules are joined into one namespace, so top-level names must not coll
 - ``backward``: ``CudaBackward``, the backward's three kernels (their ABI);
 - ``dispatch``: what an export carries (packed cubins, hashes), the kernel class of each
   problem kind, the dispatch table;
+- ``explain``: which dispatch entry serves a call (tuned, or derived at export), in words;
 - ``transformers``: the Transformers attention function and its registration;
 - ``tuned``: ``TunedAttention`` and its ``torch.library`` ops.
 
@@ -73,6 +74,7 @@ from evoengine.launch.dispatch import (
     sha256,
     unpack_cubin,
 )
+from evoengine.launch.explain import Explanation, explain_call
 from evoengine.launch.forward import CudaKernel
 from evoengine.launch.tma import TMA_FAMILIES, TmaParams, tma_geometry, tma_grid, tma_params
 from evoengine.launch.transformers import register_hf, transformers_attention
@@ -80,19 +82,21 @@ from evoengine.launch.tuned import TunedAttention
 
 # The modules an exported module carries, in the order they are joined (each after those it
 # imports from).
-MODULES = ("core", "tma", "forward", "backward", "dispatch", "transformers", "tuned")
+MODULES = ("core", "tma", "forward", "backward", "dispatch", "explain", "transformers",
+           "tuned")
 PACKAGE = __name__
 
 __all__ = [
     "BACKWARD_ENTRIES", "BWD_MAIN_ARGS", "BWD_POST_ARGS", "BWD_PRE_ARGS", "DTYPE_NAMES",
     "FALLBACKS", "KERNEL_CLASSES", "KERNEL_DTYPES", "KERNEL_NAME", "KINDS", "LOG2E", "MIN_SM",
     "MODULES", "NVRTC_OPTIONS", "POST_THREADS", "PRE_ROWS", "PRE_THREADS", "TMA_FAMILIES",
-    "CudaBackward", "CudaKernel", "Entry", "IntegrityError", "NoKernelError", "ParamBuffer",
-    "Problem", "TmaParams", "TunedAttention", "check_grid", "check_inputs", "check_like",
-    "check_out", "cubin_runs_on", "describe", "device_arch", "dispatch_table",
-    "kernel_from_spec", "module_paths", "module_text", "nearest", "pack_cubin", "register_hf",
-    "rows_aligned", "sdpa_attention", "sdpa_attention_grads", "sha256", "softmax_scale",
-    "tma_geometry", "tma_grid", "tma_params", "transformers_attention", "unpack_cubin",
+    "CudaBackward", "CudaKernel", "Entry", "Explanation", "IntegrityError", "NoKernelError",
+    "ParamBuffer", "Problem", "TmaParams", "TunedAttention", "check_grid", "check_inputs",
+    "check_like", "check_out", "cubin_runs_on", "describe", "device_arch", "dispatch_table",
+    "explain_call", "kernel_from_spec", "module_paths", "module_text", "nearest", "pack_cubin",
+    "register_hf", "rows_aligned", "sdpa_attention", "sdpa_attention_grads", "sha256",
+    "softmax_scale", "tma_geometry", "tma_grid", "tma_params", "transformers_attention",
+    "unpack_cubin",
 ]
 
 

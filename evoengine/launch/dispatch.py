@@ -77,6 +77,10 @@ class Entry:
     median_us: float | None = None
     workload: str = ""
     kind: str = "fwd"  # which problem the kernel solves: "fwd" or "bwd" (KINDS)
+    # False: no search ran for this (dtype, causal); the export compiled the kernel tuned at
+    # ``derived_from`` (a workload key) for it, so that every call of its head dim has one.
+    tuned: bool = True
+    derived_from: str = ""
 
     @property
     def key(self) -> tuple[str, int, bool]:

@@ -26,6 +26,7 @@ from evoengine.launch.core import (
     softmax_scale,
 )
 from evoengine.launch.dispatch import KINDS, Entry, describe, dispatch_table, nearest
+from evoengine.launch.explain import Explanation, explain_call
 from evoengine.launch.forward import CudaKernel
 from evoengine.launch.transformers import register_hf
 
@@ -78,6 +79,13 @@ class TunedAttention:
         head_dim, causal). Pure Python: no GPU needed."""
         group = self._tables[kind].get((dtype, head_dim, causal))
         return None if group is None else nearest(group, seq_q, seq_k, rows)
+
+    def explain(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, *,
+                kind: str = "fwd") -> Explanation:
+        """Which entry of ``kind`` serves ``attention(q, k, v, causal=causal)``: the workload
+        it was tuned at, the kernel's identity, tuned or derived, the measured time
+        (``explain.Explanation``). Reads only shapes and dtype; runs nothing."""
+        return explain_call(self, q, k, v, causal, kind)
 
     def _kernel_for(self, q: Tensor, p: Problem, causal: bool, kind: str = "fwd") -> Any:
         """The kernel of ``kind`` for a call, or None (no kernel for its key, or a GPU it

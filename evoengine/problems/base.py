@@ -35,6 +35,7 @@ from evoengine.workload import DEFAULT_KIND
 
 if TYPE_CHECKING:
     from evoengine.compile import CompileResult
+    from evoengine.geometry import ModelGeometry
     from evoengine.measure import Timing
     from evoengine.render import Candidate
     from evoengine.validate import Verdict
@@ -78,6 +79,13 @@ class Problem(abc.ABC):
     @abc.abstractmethod
     def workload_from_key(self, key: str) -> Workload:
         """The workload ``key()`` names; ``ValueError`` if ``key`` is not one of this kind."""
+
+    def tune_workloads(self, geometry: ModelGeometry) -> list[Workload]:
+        """The calls of this kind a model of ``geometry`` makes, for ``evoengine tune``
+        (``evoengine.tune``). By default its prefills (``ModelGeometry.prefill_calls``: a
+        log ladder of lengths, ~16K tokens per call) as workloads of this kind; a kind whose
+        calls are shaped otherwise (decode, ragged batches) says which of its own."""
+        return [self.workload_from_dict(call) for call in geometry.prefill_calls()]
 
     @abc.abstractmethod
     def add_arguments(self, parser: argparse.ArgumentParser | Any) -> None:

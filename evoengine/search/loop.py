@@ -544,17 +544,51 @@ def _final(config: SearchConfig, domain: Domain, evidence: Evidence, evaluator: 
 
 
 def _seeds(store: Store, domain: Domain, key: str) -> list[Point]:
-    """Elites of other workloads on this target whose points this domain admits: good
-    kernels for a neighbouring shape are likely good here, so they are tried first."""
-    seeds: list[Point] = []
+    """Elites (ranks 1 and 2) of other workloads on this target whose points this domain
+    admits, nearest workload first (``workload_distance``): good kernels for a neighbouring
+    shape are likely good here, so they are tried first, and the sampler takes them in this
+    order. ``evoengine tune`` relies on it: its ladder's previous rung seeds the next."""
+    found: list[tuple[tuple[float, ...], int, Point]] = []
     for elite in store.elites(arch=domain.arch.name):
         if elite.workload_key == key or elite.rank > 2:
             continue
         point = domain.point(domain.identity(elite.family, elite.params)
                              if elite.family in domain.spaces else "")
-        if point is not None and point not in seeds:
+        if point is not None:
+            found.append((workload_distance(domain.workload, elite.workload_key),
+                          elite.rank, point))
+    found.sort(key=lambda f: (f[0], f[1]))  # stable: the store's order breaks ties
+    seeds: list[Point] = []
+    for _, _, point in found:
+        if point not in seeds:
             seeds.append(point)
     return seeds
+
+
+def workload_distance(here: Workload, key: str) -> tuple[float, ...]:
+    """How far the workload ``key`` names is from ``here``, to order seeds: first whether
+    its problem (head dim, dtype, causal) differs in 0 to 3 ways, then the log distance of
+    its lengths, then of its batch x heads. A key no problem reads is farthest."""
+    import math
+
+    from evoengine.problems import workload_from_key
+
+    try:
+        there = workload_from_key(key)
+    except ValueError:
+        return (math.inf,)
+    a, b = here.problem(), there.problem()
+    differ = sum(a.get(k) != b.get(k) for k in a.keys() | b.keys())
+
+    def log_ratio(x: object, y: object) -> float:
+        ok = all(isinstance(v, int) and v > 0 for v in (x, y))
+        return abs(math.log(x / y)) if ok else math.inf  # type: ignore[operator]
+
+    lengths = sum(log_ratio(getattr(here, n, None), getattr(there, n, None))
+                  for n in ("seq_q", "seq_k"))
+    rows = log_ratio(getattr(here, "batch", 0) * getattr(here, "heads", 0),
+                     getattr(there, "batch", 0) * getattr(there, "heads", 0))
+    return (float(differ), lengths, rows)
 
 
 def _arch_of(info: DeviceInfo) -> Arch:

@@ -1,0 +1,231 @@
+"""A model's attention geometry, read from its Transformers ``config.json``, and the calls a
+user of that model makes: what ``evoengine tune`` searches kernels for.
+
+The geometry is what every attention call of the model shares (query heads, key/value
+heads, head dim, dtype, causal) plus the longest sequence it sees. The calls are prefills
+on a log ladder of lengths, each batched to about ``TOKENS_PER_CALL`` tokens:
+
+- lengths ``512, 1K, 2K, 4K, ...`` up to the model's maximum (``max_position_embeddings``,
+  capped at ``DEFAULT_MAX_SEQ`` or ``--max-seq``), and the maximum itself where it is off
+  the ladder: an exported module's nearest-length dispatch then serves any call between
+  two rungs with a kernel tuned within a factor sqrt(2) of its length;
+- batch ``max(1, TOKENS_PER_CALL // length)``: a call carries about 16K tokens, the size of
+  a serving engine's prefill chunk or a training micro-batch, so short sequences come
+  batched (512: batch 32) and long ones alone (16K: batch 1). The time per call is then
+  roughly proportional to the length, as it is in the model.
+
+Contract: ``from_config`` and ``ModelGeometry`` raise a one-line ``ValueError`` naming the
+field or flag for bad input; nothing here touches a GPU or the network.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from evoengine.workload import DTYPES
+
+LADDER_START = 512
+TOKENS_PER_CALL = 16384
+DEFAULT_MAX_SEQ = 16384
+
+# torch_dtype / dtype values of configs -> the dtype a kernel is tuned in.
+_DTYPES = {"float16": "fp16", "half": "fp16", "fp16": "fp16",
+           "bfloat16": "bf16", "bf16": "bf16"}
+_WIDE = {"float32", "float", "fp32", "float64", "double"}
+# Architecture suffixes of decoder-only (causal) and encoder (bidirectional) models.
+_DECODER = ("ForCausalLM", "LMHeadModel")
+_ENCODER = ("ForMaskedLM", "ForTokenClassification", "ForQuestionAnswering",
+            "ForMultipleChoice", "ForImageClassification")
+_ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "deberta", "deberta-v2", "distilbert",
+                  "albert", "electra", "camembert", "mpnet", "modernbert", "vit", "dinov2",
+                  "clip_vision_model", "siglip_vision_model", "esm"}
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What a model's attention calls share; ``notes`` say how each was decided."""
+
+    heads: int
+    head_dim: int
+    kv_heads: int | None = None  # None: heads (multi-head attention)
+    dtype: str = "bf16"
+    causal: bool = True
+    max_seq: int = DEFAULT_MAX_SEQ
+    name: str = ""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        for what, value in (("query heads", self.heads), ("key/value heads", self.kv_heads),
+                            ("head dim", self.head_dim), ("max seq", self.max_seq)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{what} must be a positive integer, got {value!r}")
+        if self.heads % self.kv_heads:  # type: ignore[operator]
+            raise ValueError(f"query heads ({self.heads}) must be a multiple of key/value "
+                             f"heads ({self.kv_heads})")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def describe(self) -> str:
+        gqa = f"{self.heads} query heads, {self.kv_heads} key/value heads"
+        return (f"{gqa}, head dim {self.head_dim}, {self.dtype}, "
+                f"{'causal' if self.causal else 'non-causal'}, up to {self.max_seq} tokens")
+
+    def prefill_lengths(self) -> list[int]:
+        """The ladder of sequence lengths (module docstring)."""
+        lengths = []
+        n = LADDER_START
+        while n <= self.max_seq:
+            lengths.append(n)
+            n *= 2
+        if not lengths or lengths[-1] != self.max_seq:
+            lengths.append(self.max_seq)
+        return lengths
+
+    @staticmethod
+    def batch_for(seq: int) -> int:
+        """The batch of a call of length ``seq``: about ``TOKENS_PER_CALL`` tokens."""
+        return max(1, TOKENS_PER_CALL // seq)
+
+    def prefill_calls(self) -> list[dict[str, Any]]:
+        """One call per ladder length, as the fields of a forward-shaped workload (its
+        ``to_dict()`` without the kind): batch, heads, kv_heads, lengths, head dim..."""
+        return [{"batch": self.batch_for(s), "heads": self.heads, "kv_heads": self.kv_heads,
+                 "seq_q": s, "seq_k": s, "head_dim": self.head_dim, "causal": self.causal,
+                 "dtype": self.dtype} for s in self.prefill_lengths()]
+
+
+def default_name(path: str | Path) -> str:
+    """A tune's default name for a config file: its stem, or its folder's name where the
+    file is the usual ``config.json`` (``Llama-3-8B/config.json`` -> ``Llama-3-8B``)."""
+    p = Path(path)
+    if p.stem == "config" and p.resolve().parent.name:
+        return p.resolve().parent.name
+    return p.stem
+
+
+def from_config(path: str | Path, *, max_seq: int | None = None, dtype: str | None = None,
+                causal: bool | None = None, heads: int | None = None,
+                kv_heads: int | None = None, head_dim: int | None = None) -> ModelGeometry:
+    """The geometry of the Transformers config at ``path``; the keywords, where given,
+    override what the file says (the CLI's flags)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no config file {p}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p} is not a JSON config: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{p} is not a Transformers config (a JSON object)")
+    return geometry_of(data, where=str(p), max_seq=max_seq, dtype=dtype, causal=causal,
+                       heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                       name=default_name(p))
+
+
+def geometry_of(config: Mapping[str, Any], *, where: str = "the config",
+                max_seq: int | None = None, dtype: str | None = None,
+                causal: bool | None = None, heads: int | None = None,
+                kv_heads: int | None = None, head_dim: int | None = None,
+                name: str = "") -> ModelGeometry:
+    """The geometry of a config's fields (``from_config`` reads them from a file)."""
+    notes: list[str] = []
+    cfg: Mapping[str, Any] = config
+    if _first(cfg, "num_attention_heads", "n_head", "num_heads") is None and isinstance(
+            config.get("text_config"), Mapping):
+        cfg = {**config, **config["text_config"]}  # multimodal: the language model's
+        notes.append("geometry of text_config (the language model)")
+    if heads is None:
+        heads = _int(cfg, where, "num_attention_heads", "n_head", "num_heads")
+        if heads is None:
+            raise ValueError(f"{where} has no num_attention_heads (pass --q-heads)")
+    if kv_heads is None:
+        kv_heads = _int(cfg, where, "num_key_value_heads", "num_kv_heads", "n_head_kv")
+        if kv_heads is None and cfg.get("multi_query") is True:
+            kv_heads = 1
+    if head_dim is None:
+        head_dim = _int(cfg, where, "head_dim")
+        if head_dim is None:
+            hidden = _int(cfg, where, "hidden_size", "n_embd", "d_model")
+            if hidden is None:
+                raise ValueError(f"{where} has neither head_dim nor hidden_size (pass "
+                                 "--head-dim)")
+            if hidden % heads:
+                raise ValueError(f"{where}: hidden_size {hidden} is not a multiple of "
+                                 f"num_attention_heads {heads} (pass --head-dim)")
+            head_dim = hidden // heads
+            notes.append(f"head dim {head_dim} = hidden_size {hidden} / {heads} heads")
+    if dtype is None:
+        dtype = _dtype(cfg, notes)
+    if causal is None:
+        causal = _causal(cfg, notes)
+    longest = _int(cfg, where, "max_position_embeddings", "n_positions", "max_sequence_length",
+                   "seq_length")
+    cap = DEFAULT_MAX_SEQ if max_seq is None else max_seq
+    if longest is None:
+        longest = cap
+        notes.append(f"no max_position_embeddings: up to {cap} tokens (--max-seq)")
+    elif longest > cap:
+        notes.append(f"max_position_embeddings {longest} capped at {cap} (--max-seq)")
+        longest = cap
+    return ModelGeometry(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                         causal=causal, max_seq=longest, name=name, notes=tuple(notes))
+
+
+def _first(cfg: Mapping[str, Any], *names: str) -> Any:
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    return None
+
+
+def _int(cfg: Mapping[str, Any], where: str, *names: str) -> int | None:
+    value = _first(cfg, *names)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        name = next(n for n in names if cfg.get(n) is not None)
+        raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _dtype(cfg: Mapping[str, Any], notes: list[str]) -> str:
+    """fp16 or bf16 from ``torch_dtype`` (or ``dtype``); a wider or missing dtype runs in
+    bf16, the dtype such models are usually served and trained in (fp16 overflows where
+    their activations grew in fp32)."""
+    raw = _first(cfg, "torch_dtype", "dtype")
+    text = str(raw).removeprefix("torch.").lower() if raw is not None else None
+    if text in _DTYPES:
+        return _DTYPES[text]
+    if text in _WIDE:
+        notes.append(f"torch_dtype {raw} -> bf16 (kernels run in fp16 or bf16; --dtype fp16 "
+                     "for the other)")
+    else:
+        notes.append(f"{'no torch_dtype' if raw is None else f'torch_dtype {raw!r}'} -> bf16 "
+                     "(--dtype to choose)")
+    return "bf16"
+
+
+def _causal(cfg: Mapping[str, Any], notes: list[str]) -> bool:
+    """Causal for decoders: an architecture named ``...ForCausalLM``/``...LMHeadModel`` or
+    ``is_decoder``; non-causal for encoders (``...ForMaskedLM`` and the like, or a known
+    encoder ``model_type``); a config that says neither is taken for a decoder, the models
+    people tune attention for today, with a note."""
+    archs = [str(a) for a in cfg.get("architectures") or []]
+    if cfg.get("is_decoder") is True or any(a.endswith(_DECODER) for a in archs):
+        why = next((a for a in archs if a.endswith(_DECODER)), "is_decoder")
+        notes.append(f"causal: a decoder ({why})")
+        return True
+    model_type = str(cfg.get("model_type", ""))
+    if any(a.endswith(_ENCODER) for a in archs) or model_type in _ENCODER_TYPES:
+        why = next((a for a in archs if a.endswith(_ENCODER)), f"model_type {model_type}")
+        notes.append(f"non-causal: an encoder ({why})")
+        return False
+    notes.append("causal assumed: the config names no decoder or encoder architecture "
+                 "(--no-causal for bidirectional attention)")
+    return True

@@ -1,0 +1,282 @@
+"""Tune for a model: search every call a model's attention makes, then export one module
+that serves them all.
+
+``plan`` turns a ``ModelGeometry`` (``evoengine.geometry``: heads, head dim, dtype, causal,
+longest sequence, read from a Transformers ``config.json``) into the workloads of each
+problem kind asked for (``Problem.tune_workloads``: for the forward and the backward, the
+prefill ladder 512, 1K, 2K, ... up to the model's maximum, ~16K tokens per call), in
+ladder order within each kind, so that each search is seeded by the elites of the rung
+before it (the search seeds from the nearest workloads' elites first). ``tune`` runs one
+search per workload, each its own study, ``<tune name>/<arch>-<workload key>``, then
+exports one module (``export.export_best`` with ``cover=True``): the tuned kernels, plus each
+compiled for the (dtype, causal) combinations the tune did not search, so the module
+answers every call of the geometry.
+
+The budget. ``timeout_s`` is split over the workloads not yet finished, each taking
+``remaining x weight / (sum of the unfinished weights)`` when it starts, so time a search
+leaves unspent (its domain exhausted) or overruns (its elites' final re-time comes after its
+own timeout) is passed on to the ones after it. Weights are ``equal`` (the default: a
+search's cost per trial is mostly compiling and validating, not the timed call, so equal
+time gives each workload about as many trials) or ``flops`` (the workload's FLOPs: a
+long-sequence call, where a model spends its time, gets the time). A share is never below
+``MIN_SHARE_S``, so the whole may overrun by the re-times and that floor.
+
+Resuming. A workload whose study has a run that ended ``done`` is finished and skipped; one
+interrupted (Ctrl-C, a lost machine) is searched again under the same study, which resumes
+it (nothing is measured twice). Running the same command again therefore continues where it
+stopped and, once every workload is finished, only exports.
+
+Contract: ``plan`` raises a one-line ``ValueError`` for a kind no problem or space serves;
+``tune`` lets ``SearchError``/``EvaluatorError`` of a search through (nothing after it runs)
+and returns status ``interrupted`` on Ctrl-C, without exporting.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from evoengine.arch import Arch
+from evoengine.geometry import ModelGeometry
+from evoengine.problems import Workload, problem
+from evoengine.search.loop import SearchConfig, SearchResult, default_study, search
+from evoengine.search.progress import Progress, Tally
+from evoengine.space import SearchSpace, default_spaces
+
+SPLITS = ("equal", "flops")
+MIN_SHARE_S = 10.0
+DEFAULT_TIMEOUT_S = 30 * 60.0
+
+# (config, progress) -> result: ``search`` by default; tests and replays pass their own.
+Searcher = Callable[[SearchConfig, Progress], SearchResult]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One workload of a tune, and the study that searches it."""
+
+    workload: Workload
+    study: str
+    weight: float
+
+    @property
+    def kind(self) -> str:
+        return type(self.workload).kind
+
+
+@dataclass(frozen=True)
+class TunePlan:
+    """What ``tune`` will search: the workloads in order, with their studies and weights."""
+
+    name: str
+    geometry: ModelGeometry
+    arch: Arch
+    kinds: tuple[str, ...]
+    parts: tuple[Part, ...]
+    split: str = "equal"
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
+    trials: int | None = None  # per workload, instead of a time budget
+
+    def shares(self, seconds: float | None = None) -> list[float]:
+        """Each part's share of ``seconds`` (default: the timeout), were all unfinished."""
+        total = self.timeout_s if seconds is None else seconds
+        weights = sum(p.weight for p in self.parts)
+        return [max(MIN_SHARE_S, (total or 0.0) * p.weight / weights) for p in self.parts]
+
+    def describe(self) -> str:
+        """The plan as a table: the geometry, then one line per workload with its share."""
+        budget = (f"{self.trials} trials per workload" if self.trials is not None
+                  else f"{self.timeout_s:.0f} s split {self.split}")
+        lines = [f"tune {self.name} on {self.arch.name}: {self.geometry.describe()}",
+                 *(f"  note: {n}" for n in self.geometry.notes),
+                 f"{len(self.parts)} workloads ({', '.join(self.kinds)}), {budget}:",
+                 f"  {'#':>3} {'kind':<5} {'batch':>5} {'seq':>6} {'GFLOP':>9} "
+                 f"{'budget':>8}  study"]
+        shares = self.shares() if self.trials is None else [None] * len(self.parts)
+        for i, (part, share) in enumerate(zip(self.parts, shares, strict=True), start=1):
+            w = part.workload
+            spend = f"{share:7.0f}s" if share is not None else f"{self.trials:>5} tr"
+            lines.append(f"  {i:>3} {part.kind:<5} {getattr(w, 'batch', '-'):>5} "
+                         f"{getattr(w, 'seq_q', '-'):>6} {w.flops() / 1e9:9.1f} {spend:>8}  "
+                         f"{part.study}")
+        return "\n".join(lines)
+
+
+def device_arch(device: int = 0) -> Arch:
+    """The target of CUDA device ``device``, asked of a child process: the tune's process,
+    like the search's, never touches CUDA (its GPU workers are spawned processes, and the
+    export compiles offline). ``ValueError`` naming why where there is no such GPU."""
+    import subprocess
+
+    from evoengine.arch import arch_of_capability
+
+    probe = ("import sys, torch; d = int(sys.argv[1]); "
+             "print(*torch.cuda.get_device_capability(d)) if torch.cuda.is_available() "
+             "and d < torch.cuda.device_count() else sys.exit(3)")
+    done = subprocess.run([sys.executable, "-c", probe, str(device)], capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0:
+        raise ValueError(f"no CUDA device {device} is visible to torch"
+                         + (f": {done.stderr.strip().splitlines()[-1]}" if done.stderr.strip()
+                            else ""))
+    major, minor = (int(x) for x in done.stdout.split())
+    return arch_of_capability(major, minor)
+
+
+def study_name(name: str, arch: Arch, workload: Workload) -> str:
+    """A tune's study for one workload: ``<tune name>/<arch>-<workload key>``."""
+    return f"{name}/{default_study(arch, workload)}"
+
+
+def spaces_for(kind: str, files: Sequence[str] | None = None) -> list[SearchSpace]:
+    """The spaces a tune searches for ``kind``: those named (of that kind), else the shipped
+    ones."""
+    if files:
+        return [s for s in (SearchSpace.load(f) for f in files) if s.kind == kind]
+    return default_spaces(kind)
+
+
+def plan(geometry: ModelGeometry, arch: Arch, *, name: str, kinds: Sequence[str] = ("fwd",),
+         split: str = "equal", timeout_s: float | None = DEFAULT_TIMEOUT_S,
+         trials: int | None = None, spaces: Sequence[str] | None = None) -> TunePlan:
+    """The workloads to search for ``geometry`` on ``arch``; see the module docstring."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if not name or name.startswith("/") or "//" in name:
+        raise ValueError(f"a tune name must be non-empty text, got {name!r}")
+    kinds = tuple(dict.fromkeys(kinds))
+    if not kinds:
+        raise ValueError("at least one kind to tune is needed (e.g. fwd or fwd,bwd)")
+    parts: list[Part] = []
+    for kind in kinds:
+        solver = problem(kind)  # an unknown kind: ValueError naming the known ones
+        workloads = solver.tune_workloads(geometry)
+        _refuse_unserved(kind, spaces_for(kind, spaces), workloads, arch)
+        for w in workloads:
+            parts.append(Part(w, study_name(name, arch, w),
+                              w.flops() if split == "flops" else 1.0))
+    return TunePlan(name, geometry, arch, kinds, tuple(parts), split,
+                    None if trials is not None else timeout_s, trials)
+
+
+def _refuse_unserved(kind: str, spaces: list[SearchSpace], workloads: list[Workload],
+                     arch: Arch) -> None:
+    """A kind with no space for ``arch``, or whose spaces all rule its problem out."""
+    mine = [s for s in spaces if s.supports(arch)]
+    if not mine:
+        raise ValueError(f"no {kind} search space targets {arch.name}")
+    for w in workloads[:1]:  # the problem (head dim, dtype, causal) is the same for all
+        why = [s.problem_violations(w.problem(), arch) for s in mine]
+        if all(why):
+            raise ValueError(f"no {kind} search space admits {w.key()} on {arch.name}: "
+                             + "; ".join(f"{s.family}: {b[0]}"
+                                         for s, b in zip(mine, why, strict=True)))
+
+
+# ---- running it --------------------------------------------------------------------------
+
+class TuneProgress(Progress):
+    """The search's own live line, after where the whole tune stands:
+    ``[3/12 b8-h32-...] tune 1234s left | trial 40 ...``."""
+
+    def __init__(self, flops: float, *, position: str, deadline: float | None,
+                 stream: TextIO | None = None, quiet: bool = False) -> None:
+        super().__init__(flops, stream=stream, quiet=quiet)
+        self.position = position
+        self.deadline = deadline
+
+    def line(self, t: Tally) -> str:
+        left = ("" if self.deadline is None
+                else f" tune {max(0.0, self.deadline - time.monotonic()):.0f}s left")
+        return f"[{self.position}]{left} | {super().line(t)}"
+
+
+@dataclass
+class PartOutcome:
+    part: Part
+    status: str  # searched | skipped (finished before) | interrupted
+    result: SearchResult | None = None
+    seconds: float = 0.0
+    budget_s: float | None = None
+
+
+@dataclass
+class TuneResult:
+    plan: TunePlan
+    status: str  # done | interrupted
+    parts: list[PartOutcome] = field(default_factory=list)
+    exported: Any = None  # export.Exported, once written
+
+    def summary(self) -> str:
+        searched = sum(p.status == "searched" for p in self.parts)
+        skipped = sum(p.status == "skipped" for p in self.parts)
+        text = (f"tune {self.plan.name} ({self.status}): {searched} workloads searched now, "
+                f"{skipped} finished before, of {len(self.plan.parts)}")
+        if self.exported is not None:
+            text += f"\n{self.exported.summary()}"
+        return text
+
+
+def finished_studies(store: str | None) -> dict[str, int]:
+    """Study name -> id of a run that ended ``done``, for every such study in ``store``."""
+    from evoengine.store import Store
+
+    with Store(store) as s:
+        return {r.study: r.id for r in sorted(s.runs(), key=lambda r: r.id)
+                if r.study and r.status == "done"}
+
+
+def tune(tp: TunePlan, *, store: str | None = None, output: str | Path | None = None,
+         searcher: Searcher | None = None, spaces: Sequence[str] | None = None,
+         options: dict[str, Any] | None = None, stream: TextIO | None = None,
+         quiet: bool = False) -> TuneResult:
+    """Search each unfinished workload of ``tp``, then export to ``output`` (None: no
+    export). ``options`` are further ``SearchConfig`` fields (seed, workers, devices...);
+    ``searcher`` defaults to ``evoengine.search.search``."""
+    stream = stream if stream is not None else sys.stderr
+    run = searcher or (lambda config, progress: search(config, progress=progress))
+    result = TuneResult(tp, "done")
+    deadline = None if tp.timeout_s is None else time.monotonic() + tp.timeout_s
+    finished = finished_studies(store)
+    n = len(tp.parts)
+    for i, part in enumerate(tp.parts, start=1):
+        where = f"{i}/{n} {part.kind} {part.workload.key()}"
+        if part.study in finished:
+            print(f"[{where}] finished before (run {finished[part.study]}): skipped",
+                  file=stream)
+            result.parts.append(PartOutcome(part, "skipped"))
+            continue
+        budget = None
+        if deadline is not None:
+            pending = [p.weight for p in tp.parts[i - 1:] if p.study not in finished]
+            budget = max(MIN_SHARE_S,
+                         (deadline - time.monotonic()) * part.weight / sum(pending))
+        print(f"[{where}] study {part.study}: "
+              + (f"{budget:.0f} s" if budget is not None else f"{tp.trials} trials"),
+              file=stream)
+        config = SearchConfig(workload=part.workload, spaces=spaces_for(part.kind, spaces),
+                              arch=tp.arch, store=store, study=part.study, trials=tp.trials,
+                              timeout_s=budget, **(options or {}))
+        progress = TuneProgress(part.workload.flops(), position=where, deadline=deadline,
+                                stream=stream, quiet=quiet)
+        started = time.monotonic()
+        found = run(config, progress)
+        outcome = PartOutcome(part, "searched" if found.status == "done" else "interrupted",
+                              found, time.monotonic() - started, budget)
+        result.parts.append(outcome)
+        best = f"{found.rows[0]['ours_us']:.1f} us" if found.rows else "no valid kernel"
+        print(f"[{where}] {found.status} in {outcome.seconds:.0f} s"
+              + (f" ({found.stopped_because})" if found.stopped_because else "")
+              + f": best {best}", file=stream)
+        if found.status != "done":
+            result.status = "interrupted"
+            return result
+    if output is not None:
+        from evoengine.export import export_best
+
+        result.exported = export_best(store, tp.arch, tune=tp.name, output=output, cover=True)
+    return result

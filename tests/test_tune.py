@@ -1,0 +1,388 @@
+"""Tests of evoengine.tune without a GPU: the plan (workloads of every kind asked for, their
+studies, the budget split), the loop over workloads (run through the real search with the
+fake evaluator and stub compiler of tests/test_search.py, or a fake searcher on a fake
+clock), resuming, and the module it exports covering the model's geometry. Configs are
+written by the tests; the exported kernels compile offline for sm_90a.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import re
+import sys
+import zlib
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import optuna
+import pytest
+import torch
+
+from evoengine import paths, tune
+from evoengine.cli import main
+from evoengine.compile import CompileResult
+from evoengine.geometry import ModelGeometry
+from evoengine.problems.backward import Backward
+from evoengine.render import Candidate
+from evoengine.search import Progress, SearchConfig, SearchResult, Tally, search
+from evoengine.search.evaluator import DeviceInfo, Evaluation
+from evoengine.store import Store
+from tests.test_search import SM90, FakeEvaluator, stub_compile
+
+MMA = [str(paths.SPACES / "mma.toml")]
+TINY = ModelGeometry(heads=4, kv_heads=2, head_dim=64, dtype="fp16", causal=True,
+                     max_seq=1024, name="tiny")
+
+
+def any_time(params: dict[str, Any]) -> float:
+    """A made-up time for a point of any family: deterministic in its parameters."""
+    return 100.0 + sum(zlib.crc32(f"{k}={v}".encode()) % 97 for k, v in params.items()) / 10
+
+
+class AnyFamily(FakeEvaluator):
+    """test_search's fake evaluator, for forward and backward families alike."""
+
+    def evaluate(self, candidate: Candidate, compiled: CompileResult) -> Evaluation:
+        if self.interrupt_after is not None and len(self.evaluated) == self.interrupt_after:
+            raise KeyboardInterrupt
+        self.evaluated.append(candidate.identity)
+        return Evaluation(True, median_us=any_time(candidate.params), spread_us=0.5, reps=50,
+                          graph=False, max_err=1e-3, tolerance=2e-3)
+
+    def final(self, entries: Any, rounds: int) -> dict[str, Any]:
+        return {"candidates": [{"median_us": any_time(c.params), "spread_us": 0.1,
+                                "rounds": rounds} for c, _ in entries],
+                "flash": 110.0, "cudnn": 80.0}
+
+
+def fake_search(interrupt: set[str] | None = None) -> tune.Searcher:
+    """The real search loop on a fake evaluator and the stub compiler; studies whose name is
+    in ``interrupt`` are Ctrl-C'd after two evaluations."""
+    def run(config: SearchConfig, progress: Progress) -> SearchResult:
+        stop = 2 if interrupt and config.study in interrupt else None
+        return search(replace(config, compile_workers=1), evaluator=AnyFamily(stop),
+                      progress=progress, compile_fn=stub_compile)
+    return run
+
+
+def store_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'tune.db'}"
+
+
+# ---- the plan -----------------------------------------------------------------------------
+
+def test_the_plan_is_each_kinds_ladder_with_deterministic_studies() -> None:
+    tp = tune.plan(TINY, SM90, name="tiny", kinds=("fwd", "bwd"), timeout_s=600)
+    assert [(p.kind, p.workload.seq_q, p.workload.batch) for p in tp.parts] == [
+        ("fwd", 512, 32), ("fwd", 1024, 16), ("bwd", 512, 32), ("bwd", 1024, 16)]
+    assert [p.study for p in tp.parts] == [
+        f"tiny/sm_90a-{p.workload.key()}" for p in tp.parts]
+    assert tp.parts[2].study == "tiny/sm_90a-bwd-b32-h4-kv2-sq512-sk512-d64-causal-fp16"
+    assert tune.plan(TINY, SM90, name="tiny", kinds=("fwd", "bwd")) == tune.plan(
+        TINY, SM90, name="tiny", kinds=("fwd", "bwd"))
+
+
+def test_the_workloads_of_a_kind_are_what_its_problem_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kinds are read from the problems registry: a kind that tunes other calls (decode,
+    ragged batches) says so in its problem, and the plan follows."""
+    monkeypatch.setattr(Backward, "tune_workloads",
+                        lambda self, g: [self.workload_from_dict(g.prefill_calls()[-1])])
+    tp = tune.plan(TINY, SM90, name="tiny", kinds=("bwd",))
+    assert [p.workload.key() for p in tp.parts] == ["bwd-b16-h4-kv2-sq1024-sk1024-d64-causal-fp16"]
+
+
+def test_the_budget_splits_equally_or_by_flops() -> None:
+    equal = tune.plan(TINY, SM90, name="t", timeout_s=600)
+    assert equal.shares() == [300.0, 300.0]
+    g = replace(TINY, max_seq=4096, causal=False)
+    flops = tune.plan(g, SM90, name="t", split="flops", timeout_s=700)
+    shares = flops.shares()
+    assert sum(shares) == pytest.approx(700)
+    assert shares == pytest.approx([700 * p.workload.flops() / sum(
+        q.workload.flops() for q in flops.parts) for p in flops.parts])
+    assert tune.plan(TINY, SM90, name="t", timeout_s=1).shares() == [tune.MIN_SHARE_S] * 2
+
+
+def test_the_plan_says_what_it_will_do() -> None:
+    text = tune.plan(TINY, SM90, name="tiny", kinds=("fwd", "bwd"), timeout_s=600).describe()
+    assert "tune tiny on sm_90a: 4 query heads, 2 key/value heads, head dim 64" in text
+    assert "4 workloads (fwd, bwd), 600 s split equal" in text
+    assert text.count("150s") == 4 and "tiny/sm_90a-b16-h4-kv2-sq1024" in text
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"kinds": ("fwd", "nope")}, "unknown problem kind 'nope'"),
+    ({"kinds": ()}, "at least one kind"),
+    ({"split": "fair"}, "split must be one of"),
+    ({"name": ""}, "tune name"),
+])
+def test_bad_plans_are_refused_in_one_line(kw: dict, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        tune.plan(TINY, SM90, **{"name": "t", **kw})
+
+
+def test_a_head_dim_no_space_admits_is_refused() -> None:
+    with pytest.raises(ValueError, match="no fwd search space admits"):
+        tune.plan(replace(TINY, head_dim=24), SM90, name="t")
+
+
+# ---- the loop -----------------------------------------------------------------------------
+
+class Clock:
+    """A fake time.monotonic that searches advance by what they "spent"."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_each_workload_gets_its_share_of_what_is_left(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(tune.time, "monotonic", clock)
+    g = replace(TINY, max_seq=2048)  # three rungs
+    tp = tune.plan(g, SM90, name="clock", timeout_s=300)
+    budgets: list[float | None] = []
+
+    def searcher(config: SearchConfig, progress: Progress) -> SearchResult:
+        budgets.append(config.timeout_s)
+        clock.now += 2 * (config.timeout_s or 0)  # overruns its share twice over
+        store = Store(config.store)
+        run = store.start_run(arch=SM90.name, workload=config.workload.to_dict(),
+                              workload_key=config.workload.key(), device="fake",
+                              commit=None, study=config.study)
+        store.finish_run(run, "done")
+        store.close()
+        return SearchResult(run, config.study or "", SM90.name, config.workload,
+                            DeviceInfo("fake", (9, 0), "0", {}), Tally(), "done")
+
+    result = tune.tune(tp, store=store_url(tmp_path), searcher=searcher, stream=io.StringIO())
+    assert result.status == "done"
+    assert budgets == pytest.approx([100.0, 50.0, tune.MIN_SHARE_S])
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One tune of TINY (fwd and bwd, 5 trials per workload) through the real search loop,
+    exported with its coverage."""
+    root = tmp_path_factory.mktemp("tune")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EVOENGINE_CACHE", str(root / "cache"))
+        tp = tune.plan(TINY, SM90, name="tiny", kinds=("fwd", "bwd"), trials=5,
+                       spaces=[*MMA, str(paths.SPACES / "mma_bwd.toml")])
+        stream = io.StringIO()
+        result = tune.tune(tp, store=store_url(root), output=root / "tiny_attention.py",
+                           searcher=fake_search(), stream=stream,
+                           spaces=[*MMA, str(paths.SPACES / "mma_bwd.toml")])
+    return {"root": root, "plan": tp, "result": result, "log": stream.getvalue()}
+
+
+def import_path(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_tune_searches_every_workload_under_its_study(tuned: dict[str, Any]) -> None:
+    result, tp = tuned["result"], tuned["plan"]
+    assert result.status == "done"
+    assert [p.status for p in result.parts] == ["searched"] * 4
+    assert set(tune.finished_studies(store_url(tuned["root"]))) == {p.study for p in tp.parts}
+    log = tuned["log"]
+    assert "[1/4 fwd b32-h4-kv2-sq512-sk512-d64-causal-fp16] study tiny/sm_90a-" in log
+    assert "[4/4 bwd " in log and "5 trials" in log
+    assert "4 workloads searched now, 0 finished before, of 4" in result.summary()
+
+
+def test_the_next_rung_is_seeded_by_the_one_before(tuned: dict[str, Any]) -> None:
+    """The second forward workload's first trial is the first one's winner."""
+    url = store_url(tuned["root"])
+    first, second = tuned["plan"].parts[:2]
+    with Store(url) as store:
+        best = store.elites(arch="sm_90a", workload_key=first.workload.key())[0]
+    trials = optuna.load_study(study_name=second.study, storage=url).get_trials()
+    opening = min(trials, key=lambda t: t.number)
+    assert opening.user_attrs["identity"] == best.identity  # same problem: same identity
+
+
+def test_a_rerun_skips_finished_workloads_and_exports_again(tuned: dict[str, Any],
+                                                            tmp_path: Path) -> None:
+    out = tmp_path / "again.py"
+    stream = io.StringIO()
+    result = tune.tune(tuned["plan"], store=store_url(tuned["root"]), output=out,
+                       searcher=fake_search(), stream=stream,
+                       spaces=[*MMA, str(paths.SPACES / "mma_bwd.toml")])
+    assert [p.status for p in result.parts] == ["skipped"] * 4
+    assert stream.getvalue().count("finished before") == 4 and out.is_file()
+
+
+def test_an_interrupted_tune_resumes_the_interrupted_workload(tmp_path: Path) -> None:
+    tp = tune.plan(TINY, SM90, name="cut", trials=5, spaces=MMA)
+    second = tp.parts[1].study
+    first = tune.tune(tp, store=store_url(tmp_path), searcher=fake_search({second}),
+                      stream=io.StringIO(), spaces=MMA)
+    assert first.status == "interrupted" and first.exported is None
+    assert [p.status for p in first.parts] == ["searched", "interrupted"]
+    before = len(optuna.load_study(study_name=second, storage=store_url(tmp_path)).trials)
+    again = tune.tune(tp, store=store_url(tmp_path), searcher=fake_search(),
+                      stream=io.StringIO(), spaces=MMA)
+    assert [p.status for p in again.parts] == ["skipped", "searched"]
+    after = optuna.load_study(study_name=second, storage=store_url(tmp_path)).trials
+    assert len(after) > before  # the same study, resumed
+
+
+# ---- the module it exports ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def module(tuned: dict[str, Any]) -> ModuleType:
+    return import_path(tuned["root"] / "tiny_attention.py", "tiny_attention_under_test")
+
+
+def test_the_module_covers_every_dtype_and_mask_of_the_head_dim(module: ModuleType,
+                                                                tuned: dict[str, Any]) -> None:
+    attention = module.attention
+    for kind in ("fwd", "bwd"):
+        table = attention._tables[kind]
+        assert set(table) == {(d, 64, c) for d in ("fp16", "bf16") for c in (False, True)}
+        assert all(e.tuned for e in table[("fp16", 64, True)])
+        tuned_keys = {e.workload for e in table[("fp16", 64, True)]}
+        for key in (("fp16", 64, False), ("bf16", 64, False), ("bf16", 64, True)):
+            derived = table[key]
+            assert len(derived) == 2 and not any(e.tuned for e in derived)
+            assert {e.derived_from for e in derived} == tuned_keys
+            assert all(e.median_us is None for e in derived)
+    # the derived kernels are compiled for their own problem
+    for e in attention.entries:
+        k = attention.kernels[e.kernel]
+        assert (k.dtype, k.head_dim, k.causal) == e.key
+    assert "from tiny/" not in tuned["result"].exported.summary()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_call_of_the_geometry_finds_a_kernel(module: ModuleType, dtype: torch.dtype,
+                                                   causal: bool) -> None:
+    """Any length, any batch, both dtypes and masks: explain names a kernel, never none."""
+    attention = module.attention
+    for batch, sq, sk in ((1, 1, 1), (3, 77, 77), (64, 512, 512), (1, 1, 30000),
+                          (2, 5000, 7000), (1000, 16, 16)):
+        q = torch.empty(batch, 4, sq, 64, dtype=dtype, device="meta")
+        kv = torch.empty(batch, 2, sk, 64, dtype=dtype, device="meta")
+        for kind in ("fwd", "bwd"):
+            why = attention.explain(q, kv, kv, causal=causal, kind=kind)
+            assert why.entry is not None and why.kernel is not None, str(why)
+            assert why.tuned == (dtype == torch.float16 and causal)
+
+
+def test_explain_says_which_entry_serves_a_call(module: ModuleType) -> None:
+    attention = module.attention
+    q = torch.empty(2, 4, 900, 64, dtype=torch.float16)
+    kv = torch.empty(2, 2, 900, 64, dtype=torch.float16)
+    tuned = attention.explain(q, kv, kv, causal=True)
+    assert tuned.entry.workload == "b16-h4-kv2-sq1024-sk1024-d64-causal-fp16"
+    assert tuned.measured_us == tuned.entry.median_us is not None
+    assert str(tuned).startswith("fwd fp16 head_dim 64 causal b2 h4 sq900 sk900: tuned at "
+                                 "b16-h4-kv2-sq1024-sk1024-d64-causal-fp16")
+    derived = attention.explain(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), causal=False)
+    assert derived.entry.workload == "b16-h4-kv2-sq1024-sk1024-d64-full-bf16"
+    assert derived.source is not None and derived.source.workload == derived.entry.derived_from
+    assert derived.measured_us == derived.source.median_us
+    assert "derived (not tuned for bf16 non-causal) from the kernel tuned at " \
+           "b16-h4-kv2-sq1024-sk1024-d64-causal-fp16" in str(derived)
+    other = attention.explain(torch.empty(1, 4, 8, 128, dtype=torch.float16),
+                              torch.empty(1, 4, 8, 128, dtype=torch.float16),
+                              torch.empty(1, 4, 8, 128, dtype=torch.float16))
+    assert other.entry is None and "no kernel (no tuned kernel for" in str(other)
+    with pytest.raises(ValueError, match="4-D"):
+        attention.explain(q[0], kv, kv)
+
+
+def test_the_header_marks_derived_entries(tuned: dict[str, Any]) -> None:
+    text = (tuned["root"] / "tiny_attention.py").read_text()
+    assert "bf16 head_dim 64 causal  (not tuned: kernels tuned for another dtype" in text
+    assert "from b32-h4-kv2-sq512-sk512-d64-causal-fp16" in text
+    assert "study     tiny/*" in text
+
+
+# ---- the command --------------------------------------------------------------------------
+
+def test_dry_run_prints_the_plan_from_a_config(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "Tiny-LM"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_attention_heads": 8,
+        "num_key_value_heads": 2, "hidden_size": 512, "max_position_embeddings": 2048,
+        "torch_dtype": "float32"}))
+    assert main(["tune", str(folder / "config.json"), "--dry-run", "--arch", "sm_90a",
+                 "--kinds", "fwd,bwd", "--timeout", "12m"]) == 0
+    out = capsys.readouterr().out
+    assert "tune Tiny-LM on sm_90a: 8 query heads, 2 key/value heads, head dim 64, bf16, " \
+           "causal, up to 2048 tokens" in out
+    assert "note: torch_dtype float32 -> bf16" in out
+    assert "6 workloads (fwd, bwd), 720 s split equal" in out
+    assert "Tiny-LM/sm_90a-bwd-b8-h8-kv2-sq2048-sk2048-d64-causal-bf16" in out
+
+
+def test_flags_name_a_geometry_without_a_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", "--q-heads", "8", "--head-dim", "128", "--max-seq", "1024",
+                 "--no-causal", "--dtype", "fp16", "--dry-run", "--arch", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert "tune h8-kv8-d128 on sm_80: 8 query heads, 8 key/value heads, head dim 128, fp16, " \
+           "non-causal, up to 1024 tokens" in out
+
+
+def test_the_command_tunes_resumes_and_exports(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole command on CPU: the GPU check, the device probe and the search's evaluator
+    and compiler are replaced; the plan, the loop, the store, the resume and the export with
+    its coverage are real."""
+    import evoengine.cli as cli
+
+    monkeypatch.setenv("EVOENGINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cli, "_cuda_or_fail", lambda command: None)
+    monkeypatch.setattr(tune, "device_arch", lambda device=0: SM90)
+    monkeypatch.setattr(tune, "search", lambda config, progress: fake_search()(config, progress))
+    folder = tmp_path / "Tiny-LM"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 256, "max_position_embeddings": 1024,
+        "torch_dtype": "float16"}))
+    argv = ["tune", str(folder / "config.json"), "--trials", "4", "--space", MMA[0],
+            "--store", str(tmp_path / "evo.db"), "-o", str(tmp_path / "tiny.py")]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "tune Tiny-LM (done): 2 workloads searched now, 0 finished before, of 2" in out
+    assert re.search(r"wrote \S+tiny.py: \d+ kernels for sm_90a, 8 dispatch entries", out), out
+    assert "[2/2 fwd b16-h4-kv2-sq1024-sk1024-d64-causal-fp16] study Tiny-LM/sm_90a-" in err
+    module = import_path(tmp_path / "tiny.py", "tiny_cli_under_test")
+    assert set(module.attention.table) == {(d, 64, c) for d in ("fp16", "bf16")
+                                           for c in (False, True)}
+    assert main(argv) == 0
+    assert "0 workloads searched now, 2 finished before, of 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["tune", "--dry-run"], "tune needs a config.json, or --q-heads and --head-dim"),
+    (["tune", "missing.json", "--dry-run"], "no config file missing.json"),
+    (["tune", "--q-heads", "8", "--head-dim", "64", "--kinds", "fwd,zzz", "--dry-run",
+      "--arch", "sm_90a"], "unknown problem kind 'zzz'"),
+    (["tune", "--q-heads", "8", "--head-dim", "64", "--arch", "sm_90a"], "needs a CUDA GPU"),
+])
+def test_mistakes_are_one_line(argv: list[str], says: str,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") <= 2
