@@ -39,11 +39,23 @@ POINTS = {
     ],
     # wgmma_bwd: one and two consumer warpgroups; dQ split by head dim (p0), by query rows
     # (p2) and whole (p1, p3, two m64 tiles); every swizzle and ring depth, both dQ paths.
+    # p0-p3 omit DQ_REDUCE and REFILL (their legacy values); p4-p8 meet the bulk dQ reduction
+    # and the refill after the dQ GEMM with one and two warpgroups, each ring depth, dQ split by
+    # head dim (p4) and by query rows (p8).
     "wgmma_bwd": [
         dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic"),
         dict(BLOCK_N=64, BLOCK_M=64, STAGES=1, SWIZZLE=128, DQ_ACCUM="separate"),
         dict(BLOCK_N=128, BLOCK_M=128, STAGES=3, SWIZZLE=128, DQ_ACCUM="separate"),
         dict(BLOCK_N=64, BLOCK_M=128, STAGES=2, SWIZZLE=32, DQ_ACCUM="atomic"),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", REFILL="dq"),
+        dict(BLOCK_N=64, BLOCK_M=128, STAGES=1, SWIZZLE=64, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", REFILL="top"),
+        dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=32, DQ_ACCUM="separate",
+             REFILL="dq"),
+        dict(BLOCK_N=64, BLOCK_M=64, STAGES=1, SWIZZLE=64, DQ_ACCUM="atomic", REFILL="dq"),
+        dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", REFILL="dq"),
     ],
 }
 FAMILIES = tuple(POINTS)
@@ -74,6 +86,11 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     ("wgmma_bwd", 1, _problem(64, "bf16", False)), ("wgmma_bwd", 1, _problem(64, "fp16", True)),
     ("wgmma_bwd", 2, _problem(64, "bf16", True)), ("wgmma_bwd", 2, _problem(64, "fp16", False)),
     ("wgmma_bwd", 3, _problem(64, "fp16", True)), ("wgmma_bwd", 3, _problem(64, "bf16", False)),
+    *(("wgmma_bwd", 4, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    *(("wgmma_bwd", 8, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    ("wgmma_bwd", 5, _problem(64, "fp16", True)), ("wgmma_bwd", 5, _problem(64, "bf16", False)),
+    ("wgmma_bwd", 6, _problem(64, "bf16", True)), ("wgmma_bwd", 6, _problem(64, "fp16", False)),
+    ("wgmma_bwd", 7, _problem(128, "fp16", True)), ("wgmma_bwd", 7, _problem(64, "bf16", False)),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
@@ -93,7 +110,8 @@ def admitted(family: str, point: dict, problem: dict) -> bool:
     """Whether the space admits the point on this GPU (every case on sm_90a; elsewhere the
     kernel's own shared memory decides, and wgmma_bwd targets only sm_90a)."""
     arch = gpu_arch()
-    return space(family).supports(arch) and not space(family).violations(point, problem, arch)
+    return space(family).supports(arch) and not space(family).violations(
+        space(family).complete(point), problem, arch)
 
 
 def build(cands: list[Candidate]) -> list[BackwardKernel]:
@@ -110,7 +128,8 @@ def build(cands: list[Candidate]) -> list[BackwardKernel]:
 
 
 def kernel_for(family: str, point: dict, problem: dict) -> BackwardKernel:
-    (kernel,) = build([make_candidate(space(family), point, problem, gpu_arch())])
+    (kernel,) = build([make_candidate(space(family), space(family).complete(point), problem,
+                                      gpu_arch())])
     return kernel
 
 
@@ -118,7 +137,8 @@ def kernel_for(family: str, point: dict, problem: dict) -> BackwardKernel:
 def prebuild() -> None:
     if not any(space(f).supports(gpu_arch()) for f in FAMILIES):
         pytest.skip(f"no backward family targets {gpu_arch().name}")
-    build([make_candidate(space(f), POINTS[f][i], pr, gpu_arch()) for f, i, pr in CASES
+    build([make_candidate(space(f), space(f).complete(POINTS[f][i]), pr, gpu_arch())
+           for f, i, pr in CASES
            if admitted(f, POINTS[f][i], pr)])
 
 
@@ -163,12 +183,13 @@ def test_softmax_scale(family: str, causal: bool) -> None:
 def test_deterministic_launch_of_an_atomic_kernel_passes(family: str, dtype: str) -> None:
     skip_unless_targeted(family)
     problem = _problem(128, dtype, True)
-    point = next(p for p in POINTS[family] if p["DQ_ACCUM"] == "atomic"
-                 and admitted(family, p, problem))
-    kernel = kernel_for(family, point, problem)
-    for shape in ((2, 8, 2, 200, 333, "bshd"), (1, 6, 1, 300, 129, "bhsd")):
-        verdict = run_check(kernel, shape, deterministic=True)
-        assert verdict.ok, f"{shape}: {verdict.reason}"
+    points = [p for p in POINTS[family] if p["DQ_ACCUM"] == "atomic"
+              and admitted(family, p, problem)]
+    for point in points:  # each way an atomic kernel reduces dQ, where it has several
+        kernel = kernel_for(family, point, problem)
+        for shape in ((2, 8, 2, 200, 333, "bshd"), (1, 6, 1, 300, 129, "bhsd")):
+            verdict = run_check(kernel, shape, deterministic=True)
+            assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
 
 
 def inputs(shape: tuple, dtype: torch.dtype, causal: bool, seed: int = 0) -> tuple:
@@ -185,7 +206,8 @@ def inputs(shape: tuple, dtype: torch.dtype, causal: bool, seed: int = 0) -> tup
 
 @pytest.mark.parametrize(("family", "point", "deterministic"), [
     ("mma_bwd", 0, True), ("mma_bwd", 2, True), ("mma_bwd", 3, False),
-    ("wgmma_bwd", 0, True), ("wgmma_bwd", 2, False)])
+    ("wgmma_bwd", 0, True), ("wgmma_bwd", 2, False), ("wgmma_bwd", 5, True),
+    ("wgmma_bwd", 6, False)])
 def test_deterministic_results_are_bit_identical(family: str, point: int,
                                                  deterministic: bool) -> None:
     skip_unless_targeted(family)
@@ -224,12 +246,15 @@ def test_gradients_of_the_forward_kernels_own_output(family: str) -> None:
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_zero_output_gradient_gives_exactly_zero(family: str, deterministic: bool) -> None:
+@pytest.mark.parametrize(("family", "point"), [("mma_bwd", 0), ("wgmma_bwd", 0),
+                                               ("wgmma_bwd", 5)])
+def test_a_zero_output_gradient_gives_exactly_zero(family: str, point: int,
+                                                  deterministic: bool) -> None:
     """Nothing but the products of the inputs reaches the outputs: no workspace left
-    unzeroed, no part of dQ summed that no key block stored."""
+    unzeroed, no part of dQ summed that no key block stored (wgmma_bwd's p5: the bulk
+    reduction of staged dQ)."""
     skip_unless_targeted(family)
-    kernel = kernel_for(family, POINTS[family][0], _problem(64, "fp16", True))
+    kernel = kernel_for(family, POINTS[family][point], _problem(64, "fp16", True))
     q, k, v, out, lse, dout = inputs((1, 2, 2, 333, 300, "bhsd"), torch.float16, causal=True)
     grads = kernel(q, k, v, out, lse, torch.zeros_like(dout), causal=True,
                    deterministic=deterministic)
