@@ -29,7 +29,8 @@ F16 = torch.float16
 POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="atomic",
              KV_IN_REGS=False)
 PROBLEM = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True)
-WGMMA_POINT = dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic")
+WGMMA_POINT = dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
+                   DQ_REDUCE="bulk", REFILL="dq")
 POINTS = {"mma_bwd": (POINT, "sm_80"), "wgmma_bwd": (WGMMA_POINT, "sm_90a")}
 
 
@@ -113,6 +114,30 @@ def test_wgmma_bwd_space_targets_sm90a_and_says_why() -> None:
     assert any("the kernel spills" in b for b in big)
     split = sp.violations({**WGMMA_POINT, "SWIZZLE": 128}, PROBLEM, target)  # dQ: 32 columns
     assert any("start on a panel of K" in b for b in split)
+    parts = sp.violations({**WGMMA_POINT, "DQ_ACCUM": "separate"}, PROBLEM, target)
+    assert any("adds into the atomic accumulator" in b for b in parts)
+    # Points measured before DQ_REDUCE and REFILL build today's kernel as they did.
+    assert sp.legacy == {"DQ_REDUCE": "red", "REFILL": "top"}
+    old = {k: v for k, v in WGMMA_POINT.items() if k not in sp.legacy}
+    assert sp.complete(old) == {**WGMMA_POINT, **sp.legacy}
+
+
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not found")
+@pytest.mark.parametrize("reduce", ["red", "bulk"])
+def test_wgmma_bwd_dq_reduce_picks_the_instruction_that_adds_dq(reduce: str,
+                                                                 cache: Path) -> None:
+    """DQ_REDUCE=red adds dQ by per-thread REDG; bulk by the bulk-copy engine (UBLKRED: one in
+    the loop for the previous step, one after it for the last), with no REDG left."""
+    target = get_arch("sm_90a")
+    cand = make_candidate(space("wgmma_bwd"), {**WGMMA_POINT, "DQ_REDUCE": reduce}, PROBLEM,
+                          target)
+    (r,) = compile_many([cand], target, workers=1)
+    assert r.ok and r.spill_bytes == 0 and r.stack_bytes == 0, r
+    ops = sass_opcodes(r.cubin or b"", "attn_bwd")
+    if reduce == "bulk":
+        assert ops.count("UBLKRED") == 2 and "REDG" not in ops
+    else:
+        assert "REDG" in ops and "UBLKRED" not in ops
 
 
 def test_a_rejected_point_says_why() -> None:
