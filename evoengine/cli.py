@@ -40,7 +40,8 @@ def _spaces(files: Sequence[str] | None, kind: str | None) -> list:
 
     spaces = [SearchSpace.load(f) for f in files] if files else default_spaces(kind)
     for space in spaces:
-        problem(space.kind)  # a kind no problem is registered for is refused here
+        for kind in space.kinds or (space.kind,):
+            problem(kind)  # a kind no problem is registered for is refused here
     return spaces
 
 
@@ -265,7 +266,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     # Everything the user can get wrong is refused before looking for a GPU: the spaces,
     # the workload, whether any family can serve it, the store's name.
     spaces = _spaces(args.space, args.kind)
-    wrong = [f"{s.path or s.family} ({s.kind})" for s in spaces if s.kind != args.kind]
+    wrong = [f"{s.path or s.family} ({s.kind})" for s in spaces if not s.serves(args.kind)]
     if wrong:
         raise UsageError(f"--kind {args.kind} searches {args.kind} spaces, not "
                          + ", ".join(wrong))
@@ -274,8 +275,9 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.replay:
         workload, arch, run_kw = _replay(args, spaces)
     else:
-        if args.shape is None:
-            raise UsageError("search needs --shape B,H,S,D (or --replay FILE)")
+        if args.shape is None and getattr(args, "seqlens", None) is None:
+            raise UsageError("search needs --shape B,H,S,D, --seqlens for --kind varlen "
+                             "(or --replay FILE)")
         workload = _workload(args)
         arch = get_arch(args.arch) if args.arch else None
         _refuse_unserved(spaces, workload, arch)

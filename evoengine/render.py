@@ -115,11 +115,13 @@ def make_candidate(space: SearchSpace, params: Mapping[str, object],
     bad = space.violations(params, problem, arch)
     if bad:
         raise ValueError("rejected by the search space: " + "; ".join(bad))
-    if set(problem) != set(space.problem):
-        raise ValueError(f"problem must name exactly {sorted(space.problem)}, "
-                         f"got {sorted(problem)}")
+    if not space.problem_names_ok(set(problem)):
+        raise ValueError(f"problem must name exactly {sorted(space.problem)} (and what one "
+                         f"kind adds: {space.kind_problem}), got {sorted(problem)}")
     ordered = {k: params[k] for k in space.parameters}
-    problem = {k: problem[k] for k in space.problem}
+    # [problem]'s dimensions in declared order, then those the problem's kind adds.
+    problem = {**{k: problem[k] for k in space.problem},
+               **{k: v for k, v in problem.items() if k not in space.problem}}
     env = space.env(ordered, problem, arch)
     derived = {k: env[k] for k in space.derived}
     return Candidate(space.family, problem, ordered, derived)

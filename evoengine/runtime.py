@@ -10,9 +10,11 @@ from __future__ import annotations
 from evoengine.arch import Arch
 from evoengine.compile import CompileResult, compile_candidate
 from evoengine.launch import LOG2E, CudaKernel, Problem, check_inputs, tma_params
+from evoengine.launch.varlen import CudaVarlenKernel
 from evoengine.render import Candidate
 
-__all__ = ["LOG2E", "Kernel", "NoGPUError", "Problem", "check_inputs", "gpu_arch"]
+__all__ = ["LOG2E", "Kernel", "NoGPUError", "Problem", "VarlenKernel", "check_inputs",
+           "gpu_arch"]
 
 
 class NoGPUError(RuntimeError):
@@ -30,27 +32,50 @@ def gpu_arch() -> Arch:
     return arch_of_capability(*torch.cuda.get_device_capability())
 
 
+def _kernel_args(candidate: Candidate, compiled: CompileResult) -> dict:
+    """What the launcher's kernel classes take, for a compiled candidate."""
+    if not compiled.ok or compiled.cubin is None:
+        raise ValueError(f"{candidate.identity} did not compile: {compiled.error}")
+    return dict(
+        head_dim=int(candidate.problem["HEAD_DIM"]),  # type: ignore[call-overload]
+        dtype=str(candidate.problem["DTYPE"]),
+        causal=bool(candidate.problem["CAUSAL"]),
+        block_m=candidate.block_m, threads=candidate.threads,
+        smem_bytes=candidate.smem_bytes, arch=compiled.arch, cubin=compiled.cubin,
+        tma=tma_params(candidate.family, candidate.params),  # wgmma: TMA tensor maps
+    )
+
+
 class Kernel(CudaKernel):
     """One compiled candidate, loaded on the current device: ``kernel(q, k, v) -> out``."""
 
     def __init__(self, candidate: Candidate, compiled: CompileResult) -> None:
         import torch
 
-        if not compiled.ok or compiled.cubin is None:
-            raise ValueError(f"{candidate.identity} did not compile: {compiled.error}")
-        super().__init__(
-            candidate.identity,
-            head_dim=int(candidate.problem["HEAD_DIM"]),  # type: ignore[call-overload]
-            dtype=str(candidate.problem["DTYPE"]),
-            causal=bool(candidate.problem["CAUSAL"]),
-            block_m=candidate.block_m, threads=candidate.threads,
-            smem_bytes=candidate.smem_bytes, arch=compiled.arch, cubin=compiled.cubin,
-            tma=tma_params(candidate.family, candidate.params),  # wgmma: TMA tensor maps
-        )
+        super().__init__(candidate.identity, **_kernel_args(candidate, compiled))
         self.candidate = candidate
         self.compiled = compiled
         self.load(torch.cuda.current_device())  # a bad cubin fails here, not mid-measurement
 
     @classmethod
     def build(cls, candidate: Candidate, arch: Arch | str) -> Kernel:
+        return cls(candidate, compile_candidate(candidate, arch))
+
+
+class VarlenKernel(CudaVarlenKernel):
+    """One candidate compiled with VARLEN, loaded on the current device: ``kernel(q, k, v,
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> out`` on packed tensors."""
+
+    def __init__(self, candidate: Candidate, compiled: CompileResult) -> None:
+        import torch
+
+        if not candidate.problem.get("VARLEN"):
+            raise ValueError(f"{candidate.identity} is not compiled for ragged batches (VARLEN)")
+        super().__init__(candidate.identity, **_kernel_args(candidate, compiled))
+        self.candidate = candidate
+        self.compiled = compiled
+        self.load(torch.cuda.current_device())
+
+    @classmethod
+    def build(cls, candidate: Candidate, arch: Arch | str) -> VarlenKernel:
         return cls(candidate, compile_candidate(candidate, arch))

@@ -4,11 +4,15 @@ A space is a TOML file under ``search_spaces/`` (see ``search_spaces/mma.toml``)
 
 - ``family``, ``description``, ``archs``: which template it tunes and for which targets;
 - ``kind``: the problem the family's kernels solve (``evoengine.problems``: ``"fwd"``, the
-  default, or ``"bwd"``).
+  default, or ``"bwd"``), or ``kinds``: the problems one template serves (``["fwd",
+  "varlen"]``: the forward and ragged batches), the first being its main one.
   The forward search and ``default_spaces()`` take forward families only;
 - ``[problem]``: the workload dimensions compiled into a kernel (head dim, dtype, causal).
   Results for different values are incomparable; the lists are the defaults that
   ``compile-check`` sweeps;
+- ``[kind_problem.<kind>]``: the dimensions a kind of ``kinds`` adds to ``[problem]``, with
+  the one value it gives each (``VARLEN = true``). Only that kind's problems name them, so
+  the other kinds' candidates keep their identities; a template reads them with a default;
 - ``[parameters]``: each searched parameter and its domain, in the order that names a
   candidate;
 - ``[derived]``: named expressions computed from the above, in order (shared memory, ...);
@@ -40,8 +44,8 @@ from evoengine.workload import DEFAULT_KIND
 
 _ARCH_NAMES = frozenset(("SM", "SMEM_LIMIT", "MAX_THREADS", "REGS_PER_SM"))
 _FAMILY_NAME = re.compile(r"[a-z][a-z0-9_]*")
-_TOP_KEYS = {"family", "kind", "description", "archs", "problem", "parameters", "derived",
-             "constraints", "legacy"}
+_TOP_KEYS = {"family", "kind", "kinds", "description", "archs", "problem", "kind_problem",
+             "parameters", "derived", "constraints", "legacy"}
 
 
 def _in_domain(value: object, domain: tuple[object, ...]) -> bool:
@@ -71,6 +75,12 @@ class SearchSpace:
     path: Path | None = field(default=None, compare=False)
     kind: str = DEFAULT_KIND
     legacy: dict[str, object] = field(default_factory=dict)
+    kinds: tuple[str, ...] = ()  # every kind served, ``kind`` first; () is ``kind`` alone
+    kind_problem: dict[str, dict[str, object]] = field(default_factory=dict)
+
+    def serves(self, kind: str) -> bool:
+        """Whether this family's kernels solve problems of ``kind``."""
+        return kind in (self.kinds or (self.kind,))
 
     @classmethod
     def load(cls, path: str | Path) -> SearchSpace:
@@ -103,10 +113,15 @@ class SearchSpace:
                        f"{', '.join(map(str, paths.template_dirs()))}")
         # A name here; whether a problem of that kind exists is the registry's to say when
         # the space is used (evoengine.problems imports the runtime, which imports spaces).
-        kind = data.get("kind", DEFAULT_KIND)
-        if not isinstance(kind, str) or not _FAMILY_NAME.fullmatch(kind):
-            raise fail(f"kind must be a problem kind's name (e.g. {DEFAULT_KIND!r}), "
-                       f"got {kind!r}")
+        if "kind" in data and "kinds" in data:
+            raise fail("name the problem kind once: kind = \"...\" or kinds = [...]")
+        kinds = data.get("kinds", [data.get("kind", DEFAULT_KIND)])
+        if not isinstance(kinds, list) or not kinds:
+            raise fail(f"kinds must be a non-empty list of problem kinds, got {kinds!r}")
+        for kind in kinds:
+            if not isinstance(kind, str) or not _FAMILY_NAME.fullmatch(kind):
+                raise fail(f"kind must be a problem kind's name (e.g. {DEFAULT_KIND!r}), "
+                           f"got {kind!r}")
         if not isinstance(data["archs"], list) or not data["archs"]:
             raise fail("archs must be a non-empty list of target names")
         try:
@@ -129,6 +144,20 @@ class SearchSpace:
         clash = set(problem) & set(parameters)
         if clash:
             raise fail(f"names in both [problem] and [parameters]: {sorted(clash)}")
+        kind_problem: dict[str, dict[str, object]] = {}
+        table = data.get("kind_problem", {})
+        if not isinstance(table, dict):
+            raise fail("[kind_problem] must hold one table per kind: [kind_problem.<kind>]")
+        for kind, dims in table.items():
+            if kind not in kinds[1:]:
+                raise fail(f"kind_problem.{kind}: not one of the kinds besides the first "
+                           f"({kinds[1:]})")
+            if not isinstance(dims, dict) or not dims:
+                raise fail(f"kind_problem.{kind} must be a table of NAME = value")
+            taken = set(dims) & (set(problem) | set(parameters))
+            if taken:
+                raise fail(f"kind_problem.{kind} names {sorted(taken)}, already declared")
+            kind_problem[kind] = dict(dims)
         known = set(problem) | set(parameters) | _ARCH_NAMES
         derived: dict[str, Expr] = {}
         table = data.get("derived", {})
@@ -158,7 +187,8 @@ class SearchSpace:
             if not _in_domain(value, parameters[name]):
                 raise fail(f"legacy.{name} = {value!r} is not in its domain {parameters[name]}")
         return cls(family, str(data.get("description", "")), archs, problem, parameters,
-                   derived, tuple(constraints), path, str(kind), dict(legacy))
+                   derived, tuple(constraints), path, str(kinds[0]), dict(legacy),
+                   tuple(kinds), kind_problem)
 
     @staticmethod
     def _expr(text: object, known: set[str], fail, what: str) -> Expr:  # type: ignore[no-untyped-def]
@@ -226,10 +256,19 @@ class SearchSpace:
         return [f"{c.why} ({c.rule.text})" for c in self.constraints
                 if c.rule.names <= env.keys() and not c.rule(env)]
 
-    def problems(self) -> Iterator[dict[str, object]]:
-        """Every combination of the default problem dimensions."""
+    def problems(self, kind: str | None = None) -> Iterator[dict[str, object]]:
+        """Every combination of the default problem dimensions, with those ``kind`` adds
+        (``[kind_problem.<kind>]``; None: the main kind's, which add none)."""
+        extra = self.kind_problem.get(kind, {}) if kind is not None else {}
         for values in itertools.product(*self.problem.values()):
-            yield dict(zip(self.problem, values, strict=True))
+            yield {**dict(zip(self.problem, values, strict=True)), **extra}
+
+    def problem_names_ok(self, names: set[str]) -> bool:
+        """Whether a problem naming ``names`` is one of this space's kinds': ``[problem]``,
+        plus exactly what one kind adds."""
+        extra = names - set(self.problem)
+        return set(self.problem) <= names and (
+            not extra or any(extra == set(d) for d in self.kind_problem.values()))
 
     def grid(self) -> Iterator[dict[str, object]]:
         """Every parameter combination, admitted or not, in declared order."""
@@ -272,10 +311,10 @@ class SearchSpace:
 
 
 def default_spaces(kind: str | None = DEFAULT_KIND) -> list[SearchSpace]:
-    """Every space shipped under ``search_spaces/`` of ``kind`` (all of them for None): the
-    forward search never mixes in a backward family."""
+    """Every space shipped under ``search_spaces/`` that serves ``kind`` (all of them for
+    None): the forward search never mixes in a backward family."""
     spaces = [SearchSpace.load(p) for p in sorted(paths.SPACES.glob("*.toml"))]
-    return [s for s in spaces if kind is None or s.kind == kind]
+    return [s for s in spaces if kind is None or s.serves(kind)]
 
 
 def sample(items: list, n: int | None, seed: int = 0) -> list:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from evoengine.problems.varlen import VarlenWorkload
     from evoengine.workload import Workload
 
 ERR_FACTOR = 2.0
@@ -383,5 +384,139 @@ def check_backward_workload(fn: BackwardFn, workload: Workload, *, scale: float 
             return Verdict(False, verdict.max_err, verdict.tolerance,
                            f"{verdict.reason} at {where}")
         if verdict.max_err / verdict.tolerance >= worst.max_err / worst.tolerance:
+            worst = verdict
+    return worst
+
+
+# ---- ragged batches (varlen) ----------------------------------------------------------------
+
+# Sequences every varlen kernel is checked on besides the workload's own lengths: empty
+# queries, empty keys (rows output 0), one row, tails that are no multiple of any tile, more
+# queries than keys and fewer (bottom-right causal cuts), and a whole number of tiles.
+VARLEN_EDGE_LENGTHS = ((0, 0), (1, 1), (TAIL_LENGTH, TAIL_LENGTH), (0, 37), (37, 0), (130, 77),
+                       (77, 300), (64, 64), (200, 333), (0, 0), (257, 255))
+
+VarlenFn = Callable[..., "torch.Tensor"]
+
+
+def _varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                      scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sequence's float64 reference and log-sum-exp and SDPA's output in the dtype, as
+    [1, H, Lq, D] (from [L, H, D] slices); an empty-key sequence is zeros, -inf."""
+    import torch
+
+    qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if kb.shape[2] == 0:
+        zeros = torch.zeros(qb.shape, dtype=torch.float64, device=q.device)
+        lse = torch.full(qb.shape[:3], float("-inf"), dtype=torch.float64, device=q.device)
+        return zeros, lse, zeros.to(q.dtype)
+    ref, ref_lse = reference(qb, kb, vb, causal=causal, scale=scale)
+    return ref, ref_lse, sdpa(qb, kb, vb, causal=causal, scale=scale)
+
+
+def check_varlen(fn: VarlenFn, *, seqlens: tuple[tuple[int, int], ...], heads: int,
+                 kv_heads: int, head_dim: int, causal: bool, dtype: torch.dtype,
+                 scale: float | None = None, with_lse: bool = True, strided: bool = True,
+                 seed: int | None = None, device: str = "cuda") -> Verdict:
+    """Run ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=, out=,
+    lse=)`` once on fresh packed inputs and judge every sequence on its own.
+
+    ``strided`` takes q, k, v as head slices of one packed [total, H + 2 KV, D] qkv tensor (the
+    layout of a fused projection), so their row stride is not their own width. The output
+    ([total_q, H, D]) and log-sum-exp ([H, total_q]) are poisoned with NaN. Sequence b passes
+    as ``judge`` says against its own float64 reference, its tolerance 2x SDPA's error on that
+    sequence in the dtype + the floor; its rows that see no key must be exactly zero.
+    """
+    import torch
+
+    gen = torch.Generator(device=device)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    gen.manual_seed(seed)
+    cq, ck = [0], [0]
+    for lq, lk in seqlens:
+        cq.append(cq[-1] + lq)
+        ck.append(ck[-1] + lk)
+
+    def make(rows: int, width: int) -> torch.Tensor:
+        return torch.randn((rows, width, head_dim), generator=gen, device=device,
+                           dtype=torch.float32).to(dtype)
+
+    if strided:  # queries and keys share one row count here: pad the shorter side
+        rows = max(cq[-1], ck[-1])
+        qkv = make(rows, heads + 2 * kv_heads)
+        q = qkv[:cq[-1], :heads]
+        k = qkv[:ck[-1], heads:heads + kv_heads]
+        v = qkv[:ck[-1], heads + kv_heads:]
+    else:
+        q, k, v = make(cq[-1], heads), make(ck[-1], kv_heads), make(ck[-1], kv_heads)
+    cu_q = torch.tensor(cq, dtype=torch.int32, device=device)
+    cu_k = torch.tensor(ck, dtype=torch.int32, device=device)
+    out = torch.full((cq[-1], heads, head_dim), float("nan"), device=device, dtype=dtype)
+    lse = None
+    if with_lse:
+        lse = torch.full((heads, cq[-1]), float("nan"), device=device, dtype=torch.float32)
+    max_q = max(lq for lq, _ in seqlens)
+    max_k = max(lk for _, lk in seqlens)
+    fn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, out=out, lse=lse)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    worst = Verdict(True, 0.0, 0.0)
+    for b, (lq, lk) in enumerate(seqlens):
+        if lq == 0:
+            continue
+        rows_q, rows_k = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        ref, ref_lse, base = _varlen_reference(q[rows_q], k[rows_k], v[rows_k], causal=causal,
+                                               scale=scale)
+        got = out[rows_q].transpose(0, 1).unsqueeze(0)
+        got_lse = None if lse is None else lse[:, rows_q].unsqueeze(0)
+        verdict = judge(got, ref, base, got_lse, ref_lse)
+        if not verdict.ok:
+            return Verdict(False, verdict.max_err, verdict.tolerance,
+                           f"{verdict.reason} in sequence {b} ({lq}x{lk}) (seed {seed})")
+        if verdict.max_err / verdict.tolerance >= (worst.max_err / worst.tolerance
+                                                   if worst.tolerance else 0.0):
+            worst = verdict
+    return worst
+
+
+def varlen_plan(workload: VarlenWorkload) -> list[tuple[tuple[tuple[int, int], ...], int, int,
+                                                         bool]]:
+    """(seqlens, heads, kv_heads, strided) per check of a varlen workload:
+
+    1. ``VARLEN_EDGE_LENGTHS`` (empty, one-row, tail and uneven sequences) with two key/value
+       heads and the workload's query-head group, as strided slices of one qkv tensor;
+    2. the workload's own lengths, packed contiguously, with key/value heads cut (then the
+       group) until the reference of its longest sequence (they are computed one at a time)
+       holds at most ``MAX_REFERENCE_SCORES`` scores.
+    """
+    group = workload.heads // workload.kv_heads  # type: ignore[operator]
+    plans = [(VARLEN_EDGE_LENGTHS, 2 * group, 2, True)]
+    kv = workload.kv_heads
+    scores = max(lq * lk for lq, lk in workload.seqlens)
+    while kv * group * scores > MAX_REFERENCE_SCORES and kv > 1:  # type: ignore[operator]
+        kv = (kv + 1) // 2  # type: ignore[operator]
+    if kv * group * scores > MAX_REFERENCE_SCORES:  # type: ignore[operator]
+        group = 1
+    plans.append((workload.seqlens, kv * group, kv, False))  # type: ignore[operator]
+    return plans
+
+
+def check_varlen_workload(fn: VarlenFn, workload: VarlenWorkload, *,
+                          scale: float | None = None, device: str = "cuda") -> Verdict:
+    """``check_varlen`` on every check of ``varlen_plan(workload)``, each on fresh inputs: the
+    first failure, or a pass carrying the sequence nearest its tolerance."""
+    from evoengine._standalone import KERNEL_DTYPES
+
+    dtype = KERNEL_DTYPES[workload.dtype]
+    worst = Verdict(True, 0.0, 0.0)
+    for seqlens, heads, kv_heads, strided in varlen_plan(workload):
+        verdict = check_varlen(fn, seqlens=seqlens, heads=heads, kv_heads=kv_heads,
+                               head_dim=workload.head_dim, causal=workload.causal, dtype=dtype,
+                               scale=scale, strided=strided, device=device)
+        if not verdict.ok:
+            return Verdict(False, verdict.max_err, verdict.tolerance,
+                           f"{verdict.reason}, {len(seqlens)} sequences H{heads}/{kv_heads}")
+        if verdict.max_err >= worst.max_err:
             worst = verdict
     return worst

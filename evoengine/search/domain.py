@@ -38,7 +38,7 @@ class Domain:
         self.spaces: dict[str, SearchSpace] = {}
         self.points: dict[str, list[dict[str, Any]]] = {}
         for space in spaces:
-            if (space.kind != workload.kind or not space.supports(arch)
+            if (not space.serves(workload.kind) or not space.supports(arch)
                     or space.family in self.spaces):
                 continue  # another problem's family, another target's, or named twice
             admitted = space.admitted(self.problem, arch)

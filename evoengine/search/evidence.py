@@ -148,14 +148,17 @@ class Evidence:
 
 
 # The results-row key of each anchor's time (the anchors are the problem's: evoengine.problems).
-ANCHOR_KEYS = {"flash": "sdpa_flash_us", "cudnn": "sdpa_cudnn_us", "fa4": "fa4_us"}
+ANCHOR_KEYS = {"flash": "sdpa_flash_us", "cudnn": "sdpa_cudnn_us", "fa4": "fa4_us",
+               # varlen: SDPA on the batch padded to its longest sequence
+               "cudnn_padded": "sdpa_cudnn_padded_us", "flash_padded": "sdpa_flash_padded_us"}
+ALWAYS_ANCHORS = ("flash", "cudnn")  # in every forward or backward row, None where not run
 
 
 def anchor_times(timed: Mapping[str, Any]) -> dict[str, float | None]:
     """The anchors' times of a re-time or baseline as row keys: SDPA's two always (None where
-    one could not run), FlashAttention-4's where it was timed."""
+    one could not run), the others (FlashAttention-4's, varlen's padded SDPA) where timed."""
     return {key: timed.get(anchor) for anchor, key in ANCHOR_KEYS.items()
-            if anchor != "fa4" or anchor in timed}
+            if anchor in ALWAYS_ANCHORS or anchor in timed}
 
 
 def row(w: Workload, candidate: Candidate, us: float,

@@ -1,0 +1,161 @@
+"""Ragged batches on a real GPU: the VARLEN kernels against the float64 reference per sequence.
+
+Fresh packed inputs per check, NaN-poisoned outputs and log-sum-exp, empty sequences (no
+query, no key), tails that are no multiple of any tile, uneven query and key lengths (causal
+aligned bottom-right per sequence), GQA/MQA, strided slices of one qkv tensor, the softmax
+scale; then the launcher's input checks and the SDPA fallback.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evoengine import paths, validate
+from evoengine._varlen import varlen_sdpa
+from evoengine.compile import compile_many
+from evoengine.problems.varlen import VarlenWorkload, parse_seqlens
+from evoengine.render import Candidate, make_candidate
+from evoengine.runtime import VarlenKernel, gpu_arch
+from evoengine.space import SearchSpace
+
+MMA_POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True,
+                 LAZY_RESCALE=False, MIN_BLOCKS=1, PIPELINE="split")
+
+
+def wgmma_point(**override: object) -> dict[str, object]:
+    return {**dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
+                   INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
+                   SCHEDULER="static"), **override}
+
+
+# One to three consumer warpgroups, ping-pong, a persistent grid with each scheduler and tile
+# order (the ragged skipping of tiles with no row), P through shared memory.
+WGMMA_POINTS = [
+    wgmma_point(),
+    wgmma_point(BLOCK_M=192, BLOCK_N=64, STAGES=3, SWIZZLE=64, PINGPONG=True, PERSISTENT=True),
+    wgmma_point(BLOCK_M=64, BLOCK_N=176, P_FROM="smem", INTRA_WG_OVERLAP=False),
+    wgmma_point(PINGPONG=True, PERSISTENT=True, TILE_ORDER="l2", SCHEDULER="dynamic"),
+    wgmma_point(BLOCK_N=176, PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic"),
+]
+RAGGED = ((300, 300), (0, 0), (1, 1), (129, 77), (0, 50), (40, 0), (77, 300), (509, 509),
+          (64, 64), (1000, 999))
+
+_built: dict[str, VarlenKernel] = {}
+
+
+def varlen_candidates(family: str, points: list[dict[str, object]], causal: bool,
+                      dtype: str = "fp16", head_dim: int = 128) -> list[Candidate]:
+    sp = SearchSpace.load(paths.SPACES / f"{family}.toml")
+    arch = gpu_arch()
+    problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, CAUSAL=causal, VARLEN=True)
+    return [make_candidate(sp, p, problem, arch) for p in points
+            if not sp.violations(p, problem, arch)]
+
+
+def kernels(cands: list[Candidate]) -> list[VarlenKernel]:
+    todo = [c for c in cands if c.identity not in _built]
+    for cand, compiled in zip(todo, compile_many(todo, gpu_arch()), strict=True):
+        assert compiled.ok, compiled.error
+        _built[cand.identity] = VarlenKernel(cand, compiled)
+    return [_built[c.identity] for c in cands]
+
+
+def families() -> list[str]:
+    return ["mma", "wgmma"] if gpu_arch().name == "sm_90a" else ["mma"]
+
+
+def points(family: str) -> list[dict[str, object]]:
+    return WGMMA_POINTS if family == "wgmma" else [MMA_POINT]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("family", ["mma", "wgmma"])
+def test_ragged_batches_pass_the_criterion(family: str, causal: bool) -> None:
+    if family not in families():
+        pytest.skip(f"{family} needs sm_90a")
+    for kernel in kernels(varlen_candidates(family, points(family), causal)):
+        for heads, kv, strided in ((8, 2, True), (6, 1, False), (4, 4, True)):
+            v = validate.check_varlen(kernel, seqlens=RAGGED, heads=heads, kv_heads=kv,
+                                      head_dim=128, causal=causal, dtype=torch.float16,
+                                      strided=strided)
+            assert v.ok, f"{kernel.name} H{heads}/{kv} strided={strided}: {v.reason}"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_head_dim_64_bf16_and_a_scale(dtype: str) -> None:
+    family = families()[-1]
+    point = wgmma_point(BLOCK_N=96, SWIZZLE=64) if family == "wgmma" else MMA_POINT
+    (kernel,) = kernels(varlen_candidates(family, [point], True, dtype=dtype, head_dim=64))
+    for scale in (None, 0.3, -0.2):
+        v = validate.check_varlen(kernel, seqlens=RAGGED, heads=4, kv_heads=2, head_dim=64,
+                                  causal=True, dtype=validate_dtype(dtype), scale=scale)
+        assert v.ok, f"{kernel.name} scale {scale}: {v.reason}"
+
+
+def validate_dtype(name: str) -> torch.dtype:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+def test_the_issue_workload_passes_the_workload_criterion() -> None:
+    """16 sequences of 128..4096 (random.Random(0)), GQA 32/8, d128, causal: the plan's edge
+    sequences and the workload's own lengths."""
+    lengths, source = parse_seqlens("random:16:128:4096:0")
+    w = VarlenWorkload(lengths, heads=32, kv_heads=8, head_dim=128, causal=True, source=source)
+    family = families()[-1]
+    point = wgmma_point(PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic") \
+        if family == "wgmma" else MMA_POINT
+    (kernel,) = kernels(varlen_candidates(family, [point], True))
+    v = validate.check_varlen_workload(kernel, w)
+    assert v.ok, v.reason
+
+
+def test_a_wrong_kernel_fails() -> None:
+    """The criterion catches a kernel that reads the wrong keys (cu_seqlens_q for keys)."""
+    family = families()[-1]
+    point = wgmma_point() if family == "wgmma" else MMA_POINT
+    (kernel,) = kernels(varlen_candidates(family, [point], False))
+
+    def keys_of_queries(q, k, v, cu_q, cu_k, max_q, max_k, **kw):  # noqa: ANN001, ANN202
+        return kernel(q, k, v, cu_q, cu_q, max_q, max_q, check=False, **kw)
+
+    v = validate.check_varlen(keys_of_queries, seqlens=((100, 200), (50, 30)), heads=2, kv_heads=2,
+                              head_dim=128, causal=False, dtype=torch.float16, strided=False)
+    assert not v.ok
+
+
+def test_input_checks_raise_before_any_launch() -> None:
+    family = families()[-1]
+    point = wgmma_point() if family == "wgmma" else MMA_POINT
+    (kernel,) = kernels(varlen_candidates(family, [point], True))
+    q = torch.randn(30, 4, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(20, 2, 128, device="cuda", dtype=torch.float16)
+    cu_q = torch.tensor([0, 10, 30], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 5, 20], dtype=torch.int32, device="cuda")
+    kernel(q, k, k, cu_q, cu_k, 20, 15)  # fine
+    bad = [
+        ((q, k, k, cu_q.long(), cu_k, 20, 15), "int32"),
+        ((q, k, k, cu_q.cpu(), cu_k, 20, 15), "must be on"),
+        ((q, k, k, cu_q[:2], cu_k, 20, 15), "batch \\+ 1"),
+        ((q, k, k, torch.tensor([0, 20, 10], dtype=torch.int32, device="cuda"), cu_k, 20, 15),
+         "never decrease"),
+        ((q, k, k, torch.tensor([0, 10, 29], dtype=torch.int32, device="cuda"), cu_k, 20, 15),
+         "end at the packed length 30"),
+        ((q, k, k, cu_q, cu_k, 19, 15), "max_seqlen_q \\(19\\) is smaller"),
+        ((q, k, k, cu_q, cu_k, 20, 14), "max_seqlen_k \\(14\\) is smaller"),
+        ((q[None], k, k, cu_q, cu_k, 20, 15), "3-D"),
+        ((q, k, k, cu_q, cu_k, 20.0, 15), "max_seqlen_q must be an int"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            kernel(*args)
+
+
+def test_sdpa_fallback_passes_the_criterion() -> None:
+    def fallback(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, out=None, lse=None):  # noqa: ANN001, ANN202
+        out.copy_(varlen_sdpa(q, k, v, cu_q, cu_k, causal=True, scale=scale))
+        return out
+
+    v = validate.check_varlen(fallback, seqlens=RAGGED, heads=4, kv_heads=2, head_dim=64,
+                              causal=True, dtype=torch.float16, with_lse=False)
+    assert v.ok, v.reason
