@@ -506,7 +506,7 @@ def check_varlen_workload(fn: VarlenFn, workload: VarlenWorkload, *,
                           scale: float | None = None, device: str = "cuda") -> Verdict:
     """``check_varlen`` on every check of ``varlen_plan(workload)``, each on fresh inputs: the
     first failure, or a pass carrying the sequence nearest its tolerance."""
-    from evoengine._standalone import KERNEL_DTYPES
+    from evoengine.launch import KERNEL_DTYPES
 
     dtype = KERNEL_DTYPES[workload.dtype]
     worst = Verdict(True, 0.0, 0.0)

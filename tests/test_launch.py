@@ -98,7 +98,7 @@ def test_launcher_modules_join_into_one_namespace() -> None:
     namespace: dict[str, object] = {}
     exec(compile(sa.module_text(), "launcher", "exec"), namespace)
     assert isinstance(namespace["TunedAttention"], type)
-    assert set(namespace["KERNEL_CLASSES"]) == set(sa.KINDS) == {"fwd", "bwd"}
+    assert set(namespace["KERNEL_CLASSES"]) == set(sa.KINDS) == {"fwd", "bwd", "varlen"}
 
 
 @pytest.mark.parametrize(("cubin", "device", "runs"), [

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from evoengine import cli, paths, problems, validate
-from evoengine._varlen import check_cu_values, check_varlen_inputs
 from evoengine.arch import get_arch
 from evoengine.compile import compile_many
+from evoengine.launch.varlen import check_cu_values, check_varlen_inputs
 from evoengine.problems.varlen import (
     VarlenWorkload,
     causal_pairs,

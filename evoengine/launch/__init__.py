@@ -13,6 +13,8 @@ when the modules are joined into one namespace, so top-level names must not coll
   launching, parameter buffers;
 - ``tma``: TMA tensor maps (the wgmma family);
 - ``forward``: ``CudaKernel``, the forward (its docstring holds the kernels' ABI);
+- ``varlen``: ``CudaVarlenKernel``, the forward on ragged batches (packed q, k, v with
+  cu_seqlens), its input checks and its SDPA fallback;
 - ``backward``: ``CudaBackward``, the backward's three kernels (their ABI);
 - ``dispatch``: what an export carries (packed cubins, hashes), the kernel class of each
   problem kind, the dispatch table;
@@ -82,8 +84,8 @@ from evoengine.launch.tuned import TunedAttention
 
 # The modules an exported module carries, in the order they are joined (each after those it
 # imports from).
-MODULES = ("core", "tma", "forward", "backward", "dispatch", "explain", "transformers",
-           "tuned")
+MODULES = ("core", "tma", "forward", "varlen", "backward", "dispatch", "explain",
+           "transformers", "tuned")
 PACKAGE = __name__
 
 __all__ = [

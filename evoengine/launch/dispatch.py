@@ -16,6 +16,7 @@ from typing import Any
 from evoengine.launch.backward import CudaBackward
 from evoengine.launch.core import IntegrityError
 from evoengine.launch.forward import CudaKernel
+from evoengine.launch.varlen import CudaVarlenKernel
 
 
 def pack_cubin(cubin: bytes) -> str:
@@ -33,7 +34,8 @@ def sha256(data: str | bytes) -> str:
 
 # The kernel class of each problem kind a module can carry: each builds itself from a spec
 # (``from_spec``). A new kind of kernel adds its class here.
-KERNEL_CLASSES: dict[str, Any] = {cls.kind: cls for cls in (CudaKernel, CudaBackward)}
+KERNEL_CLASSES: dict[str, Any] = {cls.kind: cls for cls in (CudaKernel, CudaBackward,
+                                                             CudaVarlenKernel)}
 KINDS = tuple(KERNEL_CLASSES)  # the problems a module carries kernels for
 
 

@@ -296,7 +296,7 @@ class Varlen(Problem):
         import torch
 
         from evoengine import measure
-        from evoengine._standalone import KERNEL_DTYPES
+        from evoengine.launch import KERNEL_DTYPES
 
         w = workload
         dtype = KERNEL_DTYPES[w.dtype]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from evoengine import paths, validate
-from evoengine._varlen import varlen_sdpa
 from evoengine.compile import compile_many
+from evoengine.launch.varlen import varlen_sdpa
 from evoengine.problems.varlen import VarlenWorkload, parse_seqlens
 from evoengine.render import Candidate, make_candidate
 from evoengine.runtime import VarlenKernel, gpu_arch

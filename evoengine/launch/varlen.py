@@ -1,4 +1,5 @@
-"""Ragged batches: launch a forward kernel compiled with VARLEN on packed q, k, v.
+"""Ragged batches: ``CudaVarlenKernel``, a forward kernel compiled with VARLEN, launched on
+packed q, k, v with cu_seqlens, and the checks of such a call.
 
 Varlen ABI (mma): the forward's arguments, then ``cu_seqlens_q, cu_seqlens_k`` (int32*) and
 ``total_q`` (int32, the log-sum-exp's row stride), on a grid of (ceil(max_seqlen_q / block_m),
@@ -18,25 +19,24 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from evoengine._standalone import (
-    _DTYPE_NAMES,
-    _MAX_GRID_YZ,
-    _TMA_ARG_OFFSETS,
+from evoengine.launch.core import (
+    DTYPE_NAMES,
     LOG2E,
-    TMA_Q_ROWS,
-    CudaKernel,
+    MAX_GRID_YZ,
     ParamBuffer,
-    _launch_in_context,
-    _raw_stream,
-    _sm_count,
+    launch_in_context,
+    raw_stream,
+    sdpa_attention,
+    sm_count,
     softmax_scale,
-    tma_grid,
 )
+from evoengine.launch.forward import CudaKernel
+from evoengine.launch.tma import TMA_ARG_OFFSETS, TMA_Q_ROWS, tma_grid
 
 _VARLEN_ARGS = ParamBuffer("QQQQQ" + "iiii" + "q" * 12 + "f" + "QQi")
-# The TMA arguments (see _TMA_ARGS) and cu_seqlens_q, cu_seqlens_k, total_q.
+# The TMA arguments (tma.TMA_ARGS) and cu_seqlens_q, cu_seqlens_k, total_q.
 _TMA_VARLEN_ARGS = struct.Struct("=128s128s128s2Q5i4x3qf4xQQQi")
-_TMA_VARLEN_OFFSETS = (*_TMA_ARG_OFFSETS, 464, 472, 480)
+_TMA_VARLEN_OFFSETS = (*TMA_ARG_OFFSETS, 464, 472, 480)
 
 
 class VarlenProblem(NamedTuple):
@@ -60,7 +60,7 @@ def _check_packed(name: str, t: object, heads_name: str) -> Tensor:
     if t.dim() != 3:
         raise ValueError(f"{name} must be 3-D [total, {heads_name}, head_dim] (packed), got "
                          f"{tuple(t.shape)}")
-    if t.dtype not in _DTYPE_NAMES:
+    if t.dtype not in DTYPE_NAMES:
         raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
     s = t.stride()
     if s[2] != 1 or s[0] % 8 or s[1] % 8 or t.data_ptr() % 16:
@@ -126,7 +126,7 @@ def check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
     if head_dim is not None and d != head_dim:
         raise ValueError(f"this kernel takes head_dim {head_dim}, got {d}")
-    if dtype is not None and _DTYPE_NAMES[q.dtype] != dtype:
+    if dtype is not None and DTYPE_NAMES[q.dtype] != dtype:
         raise ValueError(f"this kernel takes {dtype}, got {q.dtype}")
     _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
     _check_cu("cu_seqlens_k", cu_seqlens_k, q.device)
@@ -134,8 +134,8 @@ def check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both be [batch + 1], got "
                          f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()} entries")
     batch = cu_seqlens_q.numel() - 1
-    if heads > _MAX_GRID_YZ or batch > _MAX_GRID_YZ:
-        raise ValueError(f"batch and heads must be at most {_MAX_GRID_YZ} (CUDA grid limit), "
+    if heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
+        raise ValueError(f"batch and heads must be at most {MAX_GRID_YZ} (CUDA grid limit), "
                          f"got batch {batch}, heads {heads}")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
@@ -169,6 +169,8 @@ class CudaVarlenKernel(CudaKernel):
     max_seqlen_q, max_seqlen_k, scale=, out=, lse=)`` on packed [total, heads, head_dim]
     tensors; ``launch`` is the unchecked hot path."""
 
+    kind = "varlen"  # the problem it solves (dispatch.KERNEL_CLASSES)
+
     def __init__(self, name: str, **kw: Any) -> None:
         super().__init__(name, **kw)
         if self.tma is not None:
@@ -194,7 +196,7 @@ class CudaVarlenKernel(CudaKernel):
         heads, group = q.shape[1], q.shape[1] // k.shape[1]
         batch = cu_q.numel() - 1
         os_ = out.stride()
-        stream = _raw_stream(index)
+        stream = raw_stream(index)
         lse_ptr = 0 if lse is None else lse.data_ptr()
         if self.tma is None:
             qs, ks, vs = q.stride(), k.stride(), v.stride()
@@ -205,11 +207,11 @@ class CudaVarlenKernel(CudaKernel):
                     lse_ptr, max_seqlen_q, max_seqlen_k, heads, group, 0, qs[1], qs[0], 0,
                     ks[1], ks[0], 0, vs[1], vs[0], 0, os_[1], os_[0], scale * LOG2E,
                     cu_q.data_ptr(), cu_k.data_ptr(), q.shape[0])
-                _launch_in_context(loaded, (loaded.fn, grid_x, heads, batch, self.threads, 1, 1,
+                launch_in_context(loaded, (loaded.fn, grid_x, heads, batch, self.threads, 1, 1,
                                             self.smem_bytes, stream, self._argv_ptr, 0))
             return
         grid, tiles = tma_grid(self.block_m, max_seqlen_q, heads, batch, self.tma.persistent,
-                               _sm_count(index))
+                               sm_count(index))
         # [total, H, D] seen as [1, H, total, D]: the maps' row coordinate is the packed row.
         maps = (self._tensor_map(q.unsqueeze(0).transpose(1, 2), TMA_Q_ROWS),
                 self._tensor_map(k.unsqueeze(0).transpose(1, 2), self.tma.block_n),
@@ -221,7 +223,7 @@ class CudaVarlenKernel(CudaKernel):
                 heads, group, tiles, 0, os_[1], os_[0], scale * LOG2E,
                 0 if counter is None else counter.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
                 q.shape[0])
-            _launch_in_context(loaded, (loaded.fn, grid, 1, 1, self.threads, 1, 1,
+            launch_in_context(loaded, (loaded.fn, grid, 1, 1, self.threads, 1, 1,
                                         self.smem_bytes, stream, self._argv_ptr, 0))
         del counter  # only now: the launch has read its address
 
@@ -248,8 +250,6 @@ def varlen_sdpa(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
                 lengths: list[tuple[int, int]] | None = None) -> Tensor:
     """The SDPA fallback: each sequence through ``sdpa_attention`` (bottom-right causal, GQA,
     empty-key rows 0), into one packed output."""
-    from evoengine._standalone import sdpa_attention
-
     if lengths is None:
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     else:
