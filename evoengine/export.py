@@ -139,6 +139,7 @@ def kernel_specs(found: list[Winner], arch: Arch,
     records = {w.elite.identity: w.candidate for w in found}
     spaces: dict[str, SearchSpace] = {}
     built: dict[str, tuple[str, Candidate]] = {}  # stored identity -> (kernel name, candidate)
+    kinds: dict[str, str] = {}  # stored identity -> the problem kind it won
     for identity, rec in records.items():
         if rec.family not in spaces:
             try:
@@ -148,9 +149,10 @@ def kernel_specs(found: list[Winner], arch: Arch,
         # A point stored before a parameter was added takes its legacy value (space.py).
         space = spaces[rec.family]
         won = {w.workload.kind for w in found if w.elite.identity == identity}
-        if won != {space.kind}:
-            raise ExportError(f"elite {identity} is a {space.kind} kernel but won "
-                              f"{', '.join(sorted(won))} workloads")
+        if len(won) != 1 or not space.serves(next(iter(won))):
+            raise ExportError(f"elite {identity} is a {'/'.join(space.kinds or (space.kind,))} "
+                              f"kernel but won {', '.join(sorted(won))} workloads")
+        kinds[identity] = next(iter(won))
         try:
             cand = make_candidate(space, space.complete(rec.params), rec.problem, arch)
         except ValueError as e:
@@ -198,7 +200,7 @@ def kernel_specs(found: list[Winner], arch: Arch,
                               f"{result.error}")
         index[name] = len(specs)
         specs.append({
-            "name": name, "family": cand.family, "kind": spaces[cand.family].kind,
+            "name": name, "family": cand.family, "kind": kinds[identity],
             "problem": dict(cand.problem),
             "params": dict(cand.params), "block_m": cand.block_m, "threads": cand.threads,
             "smem_bytes": cand.smem_bytes, "defines": cand.defines(arch),
@@ -315,6 +317,9 @@ def load(store: str | os.PathLike[str] | None = DEFAULT_STORE, arch: Arch | str 
                           provenance=prov)
 
 
+_KIND_WORDS = {"bwd": "backward ", "varlen": "varlen "}  # how a summary names each kind
+
+
 @dataclass(frozen=True)
 class Exported:
     """What ``export_best`` wrote."""
@@ -325,7 +330,7 @@ class Exported:
     entries: list[Entry]
 
     def summary(self) -> str:
-        keys = "; ".join(f"{'backward ' * (kind == 'bwd')}{describe(key)} at sk "
+        keys = "; ".join(f"{_KIND_WORDS.get(kind, '')}{describe(key)} at sk "
                          + ", ".join(str(e.seq_k) for e in group)
                          for kind in KINDS
                          for key, group in dispatch_table(self.entries, kind).items())
@@ -375,6 +380,8 @@ def _header(specs: list[dict[str, Any]], entries: list[Entry], prov: dict[str, A
         "    from tuned_attention import attention",
         "    out = attention(q, k, v, causal=False, scale=None)  # torch CUDA [B, H, S, D]",
         "    register_transformers()       # attn_implementation='evoengine' in Transformers",
+        "    out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,",
+        "                           max_seqlen_k, causal=True)  # packed [total, H, D], if tuned",
         "",
         "Needs torch and cupy only. Each kernel's cubin for the target is embedded, so the first",
         "call does not compile; on another GPU its CUDA source (also embedded) is compiled",
@@ -396,7 +403,9 @@ def _header(specs: list[dict[str, Any]], entries: list[Entry], prov: dict[str, A
     lines += ["", "Dispatch: the kernel tuned at the nearest (seq_q, seq_k), in log scale; "
               "median us as", "measured by the search on the run's device:"]
     lines += ["Forward:", *_dispatch_lines(specs, entries, "fwd"), "Backward:",
-              *(_dispatch_lines(specs, entries, "bwd") or ["  none"])]
+              *(_dispatch_lines(specs, entries, "bwd") or ["  none"]),
+              "Ragged batches (attention_varlen; lengths are the workload's longest):",
+              *(_dispatch_lines(specs, entries, "varlen") or ["  none"])]
     return "\n".join(lines)
 
 
@@ -446,10 +455,11 @@ def render_module(specs: list[dict[str, Any]], entries: list[Entry],
         "",
         "attention = TunedAttention([kernel_from_spec(s, ARCH) for s in _KERNEL_SPECS], DISPATCH,",
         f"                           namespace={namespace!r}, provenance=PROVENANCE)",
+        "attention_varlen = attention.varlen",
         "register_transformers = attention.register_transformers",
         "",
         '__all__ = ["DISPATCH", "PROVENANCE", "IntegrityError", "NoKernelError", "attention",',
-        '           "register_transformers"]',
+        '           "attention_varlen", "register_transformers"]',
         "",
     ]
     return "\n".join(parts)

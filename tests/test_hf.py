@@ -141,3 +141,91 @@ def test_padding_is_refused_or_served_by_sdpa(models: tuple) -> None:
                                    ref(ids, attention_mask=mask).logits)
     finally:
         hf.register(models[2], name="evoengine_cpu_test")
+
+
+# ---- padding masks: unpadded into ragged batches -------------------------------------------
+
+
+def causal_padding_mask(valid: torch.Tensor, q_len: int) -> torch.Tensor:
+    """The 4-D bool mask Transformers' sdpa_mask builds: causal on positions, padding keys out."""
+    kv_len = valid.shape[1]
+    rows = torch.arange(q_len)[:, None] + (kv_len - q_len)
+    cols = torch.arange(kv_len)[None, :]
+    return ((cols <= rows)[None] & valid[:, None, :])[:, None]
+
+
+def test_padding_masks_are_read_as_ragged_batches() -> None:
+    from evoengine.launch.transformers import padding_of
+
+    valid = torch.ones(3, 10, dtype=torch.bool)
+    valid[0, :4] = False  # left padding
+    valid[1, 7:] = False  # right padding
+    for mask in (valid.long(), causal_padding_mask(valid, 10)):
+        p = padding_of(mask, 3, 10, 10, True)
+        assert p is not None and p.causal
+        assert p.valid_q.equal(valid) and p.valid_k.equal(valid)
+    additive = torch.zeros(3, 1, 10, 10).masked_fill(~causal_padding_mask(valid, 10), -1e9)
+    p = padding_of(additive, 3, 10, 10, True)
+    assert p is not None and p.causal and p.valid_q.equal(valid) and p.valid_k.equal(valid)
+    full = padding_of(valid.long(), 3, 10, 10, False)
+    assert full is not None and not full.causal
+    # Decoding two tokens over left-padded keys: bottom-right per sequence.
+    left = torch.ones(2, 9, dtype=torch.bool)
+    left[1, :3] = False
+    p = padding_of(causal_padding_mask(left, 2), 2, 2, 9, True)
+    assert p is not None and p.causal and p.valid_q.all() and p.valid_k.equal(left)
+
+
+def test_masks_that_are_not_padding_alone_are_not_unpadded() -> None:
+    from evoengine.launch.transformers import padding_of
+
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    window = causal_padding_mask(valid, 8) & (torch.arange(8)[None, :] > torch.arange(8)[:, None]
+                                              - 3)[None, None]
+    assert padding_of(window, 2, 8, 8, True) is None  # a sliding window
+    assert padding_of(torch.ones(2, 2, 8, 8, dtype=torch.bool), 2, 8, 8, False) is None  # per head
+    assert padding_of(valid.long(), 3, 8, 8, True) is None  # another batch
+    right = valid.clone()
+    right[0, 5:] = False  # decoding after right padding: queries past the real keys
+    assert padding_of(causal_padding_mask(right, 2), 2, 2, 8, True) is None
+
+
+class RaggedRecorder(Recorder):
+    """A ``TunedAttention`` stand-in with varlen kernels: SDPA per sequence on the CPU."""
+
+    varlen_table = {("fp32", 64, True): ()}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.varlen_calls: list[dict[str, Any]] = []
+
+    def varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+               cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool = False,
+               scale: float | None = None, *, fallback: str | None = None,
+               check: bool = True) -> torch.Tensor:
+        from evoengine.launch.varlen import check_cu_values, varlen_sdpa
+
+        check_cu_values("cu_seqlens_q", cu_q.tolist(), q.shape[0], max_q)
+        check_cu_values("cu_seqlens_k", cu_k.tolist(), k.shape[0], max_k)
+        self.varlen_calls.append({"q": tuple(q.shape), "cu_q": cu_q.tolist(), "causal": causal})
+        return varlen_sdpa(q, k, v, cu_q, cu_k, causal=causal, scale=scale)
+
+
+@torch.no_grad()
+def test_padding_is_unpadded_into_the_varlen_kernels(models: tuple) -> None:
+    ref, ours, rec = models
+    ragged = RaggedRecorder()
+    hf.register(ragged, name="evoengine_cpu_test")
+    try:
+        ids = torch.randint(0, 128, (3, 20))
+        mask = torch.ones(3, 20, dtype=torch.long)
+        mask[0, :6] = 0  # left padding
+        mask[1, 15:] = 0  # right padding
+        real = mask.bool()
+        got, want = ours(ids, attention_mask=mask), ref(ids, attention_mask=mask)
+        torch.testing.assert_close(got.logits[real], want.logits[real])
+        assert ragged.varlen_calls[0] == {"q": (14 + 15 + 20, 4, 64),
+                                          "cu_q": [0, 14, 29, 49], "causal": True}
+        assert ragged.calls == []  # every layer went through the ragged path
+    finally:
+        hf.register(rec, name="evoengine_cpu_test")

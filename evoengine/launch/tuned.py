@@ -29,6 +29,12 @@ from evoengine.launch.dispatch import KINDS, Entry, describe, dispatch_table, ne
 from evoengine.launch.explain import Explanation, explain_call
 from evoengine.launch.forward import CudaKernel
 from evoengine.launch.transformers import register_hf
+from evoengine.launch.varlen import (
+    CudaVarlenKernel,
+    check_varlen_inputs,
+    check_varlen_out,
+    varlen_sdpa,
+)
 
 # How many TorchDispatchModes are active (FakeTensorMode, FlopCounterMode, ...): calls under
 # one go through the custom op, so that the mode sees it.
@@ -54,6 +60,7 @@ class TunedAttention:
         self.entries = tuple(entries)
         self._tables = {kind: dispatch_table(self.entries, kind) for kind in KINDS}
         self.table, self.backward_table = self._tables["fwd"], self._tables["bwd"]
+        self.varlen_table = self._tables["varlen"]
         for e in self.entries:
             if e.kind not in KINDS:
                 raise ValueError(f"dispatch entry {e.workload} is of kind {e.kind!r}; this "
@@ -117,7 +124,7 @@ class TunedAttention:
         refused = self._refused.get((kind, q.dtype, head_dim, causal))
         if refused is not None:
             return refused + "." + hint
-        what = "kernel" if kind == "fwd" else "backward kernel"
+        what = {"fwd": "kernel", "bwd": "backward kernel"}.get(kind, f"{kind} kernel")
         have = "; ".join(describe(key) for key in self._tables[kind]) or "none"
         return (f"no tuned {what} for {q.dtype} head_dim {head_dim} "
                 f"{'causal' if causal else 'non-causal'}; this module has {what}s for: "
@@ -245,6 +252,48 @@ class TunedAttention:
             return self.forward(q, k, v, causal=causal, scale=scale, fallback=fallback,
                                 bshd=bshd)
         return self._op(q, k, v, causal, scale, fallback, bshd, grad)[0]
+
+    def varlen(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+               causal: bool = False, scale: float | None = None, *,
+               fallback: str | None = None, check: bool = True, out: Tensor | None = None,
+               lse: Tensor | None = None) -> Tensor:
+        """Attention over a ragged batch, as FlashAttention's ``flash_attn_varlen_func``: q
+        [total_q, H, D], k and v [total_k, H_kv, D] packed (any strides, contiguous last dim),
+        int32 ``cu_seqlens_*`` [batch + 1] where each sequence's rows start, causal per
+        sequence aligned bottom-right; returns [total_q, H, D] (an empty-key sequence's rows
+        0). ``lse`` (float32 [H, total_q]) receives the log-sum-exp.
+
+        The varlen kernel tuned nearest (max_seqlen_q, max_seqlen_k) for the call's (dtype,
+        head_dim, causal); ``fallback='sdpa'`` runs SDPA per sequence where none fits. Inputs
+        are checked before any launch, one-line ``ValueError``s; ``check`` includes what
+        cu_seqlens hold, read back to the host (one sync per call): ``check=False`` skips it.
+        Eager only (no autograd, no torch.compile).
+        """
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be None or 'sdpa', got {fallback!r}")
+        p = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, values=check)
+        causal = bool(causal)
+        scale = softmax_scale(scale, p.head_dim)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        check_varlen_out(out, lse, q, p)
+        # Chosen as a padded call of the longest lengths would be (the lengths a varlen
+        # kernel was tuned at are its workload's longest).
+        shape = Problem(p.batch, p.heads, p.kv_heads, max(1, p.max_seqlen_q),
+                        max(1, p.max_seqlen_k), p.head_dim)
+        kernel: CudaVarlenKernel | None = self._kernel_for(q, shape, causal, "varlen")
+        if kernel is None:
+            if fallback is None:
+                raise NoKernelError(self.no_kernel(q, p.head_dim, causal, "varlen"))
+            if lse is not None:
+                raise ValueError("lse is not available from the SDPA fallback")
+            return out.copy_(varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
+                                         scale=scale))
+        kernel.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, out,
+                      lse, scale)
+        return out
 
     def register_transformers(self, name: str = "evoengine", *,
                               fallback: str | None = None) -> str:
