@@ -8,6 +8,8 @@ scale; then the launcher's input checks and the SDPA fallback.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -159,3 +161,95 @@ def test_sdpa_fallback_passes_the_criterion() -> None:
     v = validate.check_varlen(fallback, seqlens=RAGGED, heads=4, kv_heads=2, head_dim=64,
                               causal=True, dtype=torch.float16, with_lse=False)
     assert v.ok, v.reason
+
+
+# ---- the exported module: attention_varlen, and Transformers' padding masks -----------------
+
+VARLEN_WINNERS = [  # (family, problem, point, workload it wins); wgmma where sm_90a
+    ("mma", dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True, VARLEN=True), MMA_POINT,
+     VarlenWorkload(((200, 200), (57, 57)), heads=4, kv_heads=2, head_dim=64, causal=True)),
+    ("wgmma", dict(HEAD_DIM=128, DTYPE="fp16", CAUSAL=True, VARLEN=True),
+     wgmma_point(PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic"),
+     VarlenWorkload(*parse_seqlens("random:16:128:4096:0")[:1], heads=32, kv_heads=8,
+                    head_dim=128, causal=True, source="random:16:128:4096:0")),
+]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from evoengine.export import export_best
+    from evoengine.render import render
+    from evoengine.store import Store
+    from tests.test_export import import_path
+
+    arch = gpu_arch()
+    root = tmp_path_factory.mktemp("varlen-export")
+    db = root / "evo.db"
+    with Store(f"sqlite:///{db}") as store:
+        for family, problem, point, w in VARLEN_WINNERS:
+            if family not in families():
+                continue
+            (cand,) = varlen_candidates(family, [point], problem["CAUSAL"], problem["DTYPE"],
+                                        problem["HEAD_DIM"])
+            store.add_candidate(identity=cand.identity, family=cand.family,
+                                template_hash=cand.template_hash, params=cand.params,
+                                problem=cand.problem, source=render(cand))
+            run = store.start_run(arch=arch.name, workload=w.to_dict(), workload_key=w.key(),
+                                  device=torch.cuda.get_device_name(), study="gpu-test")
+            store.set_elites(arch=arch.name, workload_key=w.key(),
+                             entries=[(cand.identity, 100.0)], run_id=run)
+    done = export_best(db, arch, output=root / "tuned_attention.py")
+    return import_path(done.path, "tuned_attention_varlen_gpu")
+
+
+def test_exported_attention_varlen_passes_the_criterion(exported) -> None:  # type: ignore[no-untyped-def]
+    assert exported.attention.varlen_table
+    for (dtype, head_dim, causal), _ in exported.attention.varlen_table.items():
+        fn = functools.partial(exported.attention_varlen, causal=causal)
+        for heads, kv, strided in ((8, 2, True), (4, 4, False)):
+            v = validate.check_varlen(fn, seqlens=RAGGED, heads=heads, kv_heads=kv,
+                                      head_dim=head_dim, causal=causal,
+                                      dtype=validate_dtype(dtype), strided=strided)
+            assert v.ok, f"{dtype} d{head_dim}: {v.reason}"
+
+
+def test_exported_attention_varlen_without_a_kernel(exported) -> None:  # type: ignore[no-untyped-def]
+    q = torch.randn(30, 4, 64, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32, device="cuda")
+    with pytest.raises(exported.NoKernelError, match="no tuned varlen kernel for torch.bfloat16"):
+        exported.attention_varlen(q, q, q, cu, cu, 20, 20, causal=True)
+    out = exported.attention_varlen(q, q, q, cu, cu, 20, 20, causal=True, fallback="sdpa")
+    ref = varlen_sdpa(q, q, q, cu, cu, causal=True)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="max_seqlen_q \\(19\\) is smaller"):
+        exported.attention_varlen(q, q, q, cu, cu, 19, 20, causal=True, fallback="sdpa")
+
+
+@torch.no_grad()
+def test_transformers_padding_runs_through_the_varlen_kernels(
+        exported, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("transformers")
+    from tests.gpu.test_export import llama
+
+    assert exported.register_transformers(name="evoengine_varlen") == "evoengine_varlen"
+    torch.manual_seed(0)
+    exact = llama("sdpa").eval().to("cuda")  # float32: the yardstick for both fp16 models
+    sdpa = llama("sdpa").eval().to("cuda", torch.float16)
+    ours = llama("evoengine_varlen").eval().to("cuda", torch.float16)
+    sdpa.load_state_dict(exact.state_dict())
+    ours.load_state_dict(exact.state_dict())
+    launches = []
+    launch = exported.CudaVarlenKernel.launch
+    monkeypatch.setattr(exported.CudaVarlenKernel, "launch",
+                        lambda self, *a: (launches.append(a[3].tolist()), launch(self, *a))[1])
+    ids = torch.randint(0, 1000, (3, 300), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :37] = 0  # left padding
+    mask[1, 201:] = 0  # right padding
+    real = mask.bool()
+    logits = {name: m(ids, attention_mask=mask).logits[real]
+              for name, m in (("exact", exact), ("sdpa", sdpa), ("ours", ours))}
+    assert launches == [[0, 263, 464, 764]] * 2  # two layers, the real rows of each sequence
+    ours_err = (logits["ours"].float() - logits["exact"]).abs().max().item()
+    sdpa_err = (logits["sdpa"].float() - logits["exact"]).abs().max().item()
+    assert ours_err <= 2 * sdpa_err + 1e-3, (ours_err, sdpa_err)
