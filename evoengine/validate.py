@@ -21,12 +21,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-    from evoengine.problems.varlen import VarlenWorkload
     from evoengine.workload import Workload
 
 ERR_FACTOR = 2.0
@@ -480,9 +479,10 @@ def check_varlen(fn: VarlenFn, *, seqlens: tuple[tuple[int, int], ...], heads: i
     return worst
 
 
-def varlen_plan(workload: VarlenWorkload) -> list[tuple[tuple[tuple[int, int], ...], int, int,
-                                                         bool]]:
-    """(seqlens, heads, kv_heads, strided) per check of a varlen workload:
+def varlen_plan(workload: Any) -> list[tuple[tuple[tuple[int, int], ...], int, int, bool]]:
+    """(seqlens, heads, kv_heads, strided) per check of a varlen workload (a
+    ``problems.varlen.VarlenWorkload``: typed loosely, since that module's problem imports
+    this one):
 
     1. ``VARLEN_EDGE_LENGTHS`` (empty, one-row, tail and uneven sequences) with two key/value
        heads and the workload's query-head group, as strided slices of one qkv tensor;
@@ -502,7 +502,7 @@ def varlen_plan(workload: VarlenWorkload) -> list[tuple[tuple[tuple[int, int], .
     return plans
 
 
-def check_varlen_workload(fn: VarlenFn, workload: VarlenWorkload, *,
+def check_varlen_workload(fn: VarlenFn, workload: Any, *,
                           scale: float | None = None, device: str = "cuda") -> Verdict:
     """``check_varlen`` on every check of ``varlen_plan(workload)``, each on fresh inputs: the
     first failure, or a pass carrying the sequence nearest its tolerance."""

@@ -519,3 +519,17 @@ def test_encode_tensor_map_returns_the_128_bytes_the_driver_wrote(
     monkeypatch.setattr(sa.tma, "_tensor_map_encoder", lambda: fake_encoder)
     g = sa.tma_geometry((1, 2, 64, 64), (2 * 64 * 64, 64 * 64, 64, 1), 2, 64, 128)
     assert sa.tma.encode_tensor_map(0x1000, g, "fp16") == bytes(range(128))
+
+
+@pytest.mark.parametrize("sq,sk", [(9, 9), (13, 6), (5, 11)])
+def test_sdpa_fallback_takes_a_negative_scale_and_zeroes_rows_that_see_no_key(sq: int,
+                                                                             sk: int) -> None:
+    from evoengine.validate import reference
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, sq, 16), torch.randn(1, 2, sk, 16), torch.randn(1, 2, sk, 16)
+    for scale in (-0.2, 0.3):
+        ref, _ = reference(q, k, v, causal=True, scale=scale)
+        out = sdpa_attention(q, k, v, causal=True, scale=scale)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        assert bool((out[:, :, :max(0, sq - sk)] == 0).all())

@@ -134,6 +134,11 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
     that see no key equal to zero."""
     import torch.nn.functional as F
 
+    if scale is not None and scale < 0:
+        # A negative scale is the positive one applied to -q (negation is exact), as the
+        # kernels take it; seen on the H100 (torch 2.11, 2026-11-24), SDPA's causal forward
+        # gave NaN for scale -0.2 at 300 x 300, d64.
+        q, scale = -q, -scale
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
