@@ -139,7 +139,6 @@ def kernel_specs(found: list[Winner], arch: Arch,
     records = {w.elite.identity: w.candidate for w in found}
     spaces: dict[str, SearchSpace] = {}
     built: dict[str, tuple[str, Candidate]] = {}  # stored identity -> (kernel name, candidate)
-    kinds: dict[str, str] = {}  # stored identity -> the problem kind it won
     for identity, rec in records.items():
         if rec.family not in spaces:
             try:
@@ -152,7 +151,6 @@ def kernel_specs(found: list[Winner], arch: Arch,
         if len(won) != 1 or not space.serves(next(iter(won))):
             raise ExportError(f"elite {identity} is a {'/'.join(space.kinds or (space.kind,))} "
                               f"kernel but won {', '.join(sorted(won))} workloads")
-        kinds[identity] = next(iter(won))
         try:
             cand = make_candidate(space, space.complete(rec.params), rec.problem, arch)
         except ValueError as e:
@@ -184,6 +182,7 @@ def kernel_specs(found: list[Winner], arch: Arch,
     compiled = dict(zip((c.identity for c in current), compile_many(current, arch),
                         strict=True))
     derived_names = {name for name, _ in derived}
+    kind_of = {name: e.kind for name, e in (*named, *derived)}  # the problem each kernel solves
     specs: list[dict[str, Any]] = []
     index: dict[str, int] = {}
     for name, (identity, cand) in kernels.items():
@@ -200,7 +199,7 @@ def kernel_specs(found: list[Winner], arch: Arch,
                               f"{result.error}")
         index[name] = len(specs)
         specs.append({
-            "name": name, "family": cand.family, "kind": kinds[identity],
+            "name": name, "family": cand.family, "kind": kind_of[name],
             "problem": dict(cand.problem),
             "params": dict(cand.params), "block_m": cand.block_m, "threads": cand.threads,
             "smem_bytes": cand.smem_bytes, "defines": cand.defines(arch),
