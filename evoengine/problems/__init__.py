@@ -12,9 +12,10 @@ from typing import Any
 
 from evoengine.problems.backward import Backward
 from evoengine.problems.base import DEFAULT_KIND, Problem, Workload
+from evoengine.problems.decode import Decode
 from evoengine.problems.forward import Forward
 
-PROBLEMS: dict[str, Problem] = {p.kind: p for p in (Forward(), Backward())}
+PROBLEMS: dict[str, Problem] = {p.kind: p for p in (Forward(), Backward(), Decode())}
 
 __all__ = ["DEFAULT_KIND", "PROBLEMS", "Problem", "Workload", "problem", "problem_of",
            "workload_from_dict", "workload_from_key"]
