@@ -47,6 +47,8 @@ GRID = dict(q_len=(1, 4), heads=((32, 8), (64, 8)), batch=(1, 8, 64),
 
 def grid(args: argparse.Namespace) -> list[DecodeWorkload]:
     """The issue's grid, cut to the values the flags name."""
+    if args.workloads:
+        return [DecodeWorkload.from_key(k) for k in args.workloads]
     rows = []
     for layout in args.layout:
         for q_len in args.q_len:
@@ -185,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--points", help="JSON: a list of parameter dicts, or key -> list")
     p.add_argument("--store", help="a store whose decode elites are the points")
     p.add_argument("--out", help="write the rows here (JSON with the provenance header)")
+    p.add_argument("--workloads", nargs="+", metavar="KEY",
+                   help="decode workload keys to time instead of the grid")
     p.add_argument("--q-len", type=int, nargs="+", default=list(GRID["q_len"]))
     p.add_argument("--heads", type=int, nargs="+", help="query heads (32, 64) to keep")
     p.add_argument("--batch", type=int, nargs="+", default=list(GRID["batch"]))

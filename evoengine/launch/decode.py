@@ -199,17 +199,33 @@ def check_decode_out(name: str, t: Tensor | None, shape: tuple[int, ...], dtype:
         _aligned(name, t)
 
 
-def decode_splits(policy: str, splits: int, *, units: int, tiles: int, sm_count: int) -> int:
-    """How many splits of the cache a call gets: ``fixed``: ``splits``; ``waves``: enough that
-    the grid (``units`` blocks per split) reaches ``splits`` blocks per SM. Capped at one per
-    tile of the capacity and at MAX_SPLITS."""
+def decode_splits(policy: str, splits: int, *, units: int, tiles: int, slots: int) -> int:
+    """How many splits of the cache a call gets. ``fixed``: ``splits``. ``waves``: as many
+    as fit ``splits`` whole waves of the GPU's ``slots`` (SMs x blocks resident per SM) when
+    each split is ``units`` blocks (batch x kv heads x row chunks), at least one: a partial
+    last wave of a memory-bound kernel leaves SMs idle while it streams. Capped at one
+    split per tile of the capacity and at MAX_SPLITS."""
     if policy == "fixed":
         n = splits
     elif policy == "waves":
-        n = -(-splits * sm_count // max(1, units))
+        n = splits * slots // max(1, units)
     else:
         raise ValueError(f"split policy must be one of {SPLIT_POLICIES}, got {policy!r}")
     return max(1, min(n, tiles, MAX_SPLITS))
+
+
+def resident_blocks(fn: int, threads: int, smem_bytes: int, index: int) -> int:
+    """Blocks of a kernel that one SM of device ``index`` holds at once (the driver's
+    occupancy calculator; from shared memory alone where cupy lacks it)."""
+    from cupy.cuda import driver, runtime
+
+    try:
+        return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn, threads,
+                                                                           smem_bytes)))
+    except AttributeError:
+        per_sm = runtime.deviceGetAttribute(
+            runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, index)
+        return max(1, per_sm // max(1, smem_bytes + 1024))  # 1 KB the runtime keeps per block
 
 
 class CudaDecode:
@@ -237,6 +253,7 @@ class CudaDecode:
         self.head_dim, self.dtype, self.paged = int(head_dim), dtype, bool(paged)
         self.block_m, self.block_n = int(block_m), int(block_n)
         self.split_policy, self.splits = split_policy, int(splits)
+        self._slots: dict[int, int] = {}  # per device: SMs x blocks resident per SM
 
     def __repr__(self) -> str:
         return f"CudaDecode({self.name!r})"
@@ -244,8 +261,11 @@ class CudaDecode:
     def load(self, index: int) -> None:
         """Load both entries on CUDA device ``index`` (once each); ``NoKernelError`` where
         they cannot run."""
-        self.main.load(index)
+        loaded = self.main.load(index)
         self.combine.load(index)
+        if index not in self._slots:
+            self._slots[index] = _sm_count(index) * resident_blocks(
+                loaded.fn, self.main.threads, self.main.smem_bytes, index)
 
     def plan(self, shape: DecodeShape, index: int) -> tuple[int, int]:
         """(row chunks, splits) of a call: the grid's second and first dimensions' factors."""
@@ -253,10 +273,12 @@ class CudaDecode:
         chunks = -(-rows // self.block_m)
         if shape.kv_heads * chunks > _MAX_GRID_YZ:
             raise ValueError(f"kv heads x row chunks must be at most {_MAX_GRID_YZ}")
+        if index not in self._slots:
+            self.load(index)
         splits = decode_splits(self.split_policy, self.splits,
                                units=shape.batch * shape.kv_heads * chunks,
                                tiles=-(-shape.capacity // self.block_n),
-                               sm_count=_sm_count(index))
+                               slots=self._slots[index])
         return chunks, splits
 
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
@@ -285,6 +307,8 @@ class CudaDecode:
         """Launch on torch's current stream, without checks (inputs already validated)."""
         index = q.get_device()
         main, combine = self.main.load(index), self.combine.load(index)
+        if index not in self._slots:
+            self.load(index)
         stream = _raw_stream(index)
         chunks, splits = self.plan(shape, index)
         b, q_len, h, d = q.shape
