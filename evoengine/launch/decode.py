@@ -88,7 +88,7 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
                         block_table: Tensor | None = None, *, head_dim: int | None = None,
                         dtype: str | None = None, paged: bool | None = None) -> DecodeShape:
     """Reject what the decode kernels cannot take, in one line naming what was expected, and
-    return the shapes. Looks at shapes, dtypes, devices and strides only (no sync)."""
+    return the shapes. Looks at shapes, dtypes, strides and, last, devices (no sync)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("cache_seqlens", cache_seqlens)):
         if not isinstance(t, Tensor):
@@ -110,11 +110,6 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
                          f"{k_cache.dtype}, {v_cache.dtype}")
     if dtype is not None and q.dtype != KERNEL_DTYPES[dtype]:
         raise ValueError(f"this kernel takes {dtype}, got {q.dtype}")
-    tensors = [q, k_cache, v_cache, cache_seqlens] + ([block_table] if block_table is not None
-                                                      else [])
-    if not q.is_cuda or any(t.device != q.device for t in tensors):
-        raise ValueError("q, k_cache, v_cache, cache_seqlens and block_table must be on one "
-                         f"CUDA device, got {', '.join(str(t.device) for t in tensors)}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
@@ -161,6 +156,11 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
     if kv_heads > _MAX_GRID_YZ or batch > _MAX_GRID_YZ:
         raise ValueError(f"batch and kv heads must be at most {_MAX_GRID_YZ}, got {batch}, "
                          f"{kv_heads}")
+    tensors = [q, k_cache, v_cache, cache_seqlens] + ([block_table] if block_table is not None
+                                                      else [])
+    if not q.is_cuda or any(t.device != q.device for t in tensors):
+        raise ValueError("q, k_cache, v_cache, cache_seqlens and block_table must be on one "
+                         f"CUDA device, got {', '.join(str(t.device) for t in tensors)}")
     return shape
 
 
