@@ -375,6 +375,8 @@ def _header(specs: list[dict[str, Any]], entries: list[Entry], prov: dict[str, A
         "    from tuned_attention import attention",
         "    out = attention(q, k, v, causal=False, scale=None)  # torch CUDA [B, H, S, D]",
         "    register_transformers()       # attn_implementation='evoengine' in Transformers",
+        "    out = attention_decode(q, k_cache, v_cache, cache_seqlens, block_table=None)",
+        "                                  # decode kernels, where the module has them",
         "",
         "Needs torch and cupy only. Each kernel's cubin for the target is embedded, so the first",
         "call does not compile; on another GPU its CUDA source (also embedded) is compiled",
@@ -397,6 +399,9 @@ def _header(specs: list[dict[str, Any]], entries: list[Entry], prov: dict[str, A
               "median us as", "measured by the search on the run's device:"]
     lines += ["Forward:", *_dispatch_lines(specs, entries, "fwd"), "Backward:",
               *(_dispatch_lines(specs, entries, "bwd") or ["  none"])]
+    decode = _dispatch_lines(specs, entries, "decode")
+    if decode:  # sq: q_len, sk: cache length (nearest cache length, then batch)
+        lines += ["Decode (sq: q_len, sk: cache length):", *decode]
     return "\n".join(lines)
 
 
@@ -447,9 +452,11 @@ def render_module(specs: list[dict[str, Any]], entries: list[Entry],
         "attention = TunedAttention([kernel_from_spec(s, ARCH) for s in _KERNEL_SPECS], DISPATCH,",
         f"                           namespace={namespace!r}, provenance=PROVENANCE)",
         "register_transformers = attention.register_transformers",
+        "# decode over a KV cache: the entries of kind decode (evoengine/launch/decode.py)",
+        "attention_decode = TunedDecode(attention.kernels, DISPATCH)",
         "",
         '__all__ = ["DISPATCH", "PROVENANCE", "IntegrityError", "NoKernelError", "attention",',
-        '           "register_transformers"]',
+        '           "attention_decode", "register_transformers"]',
         "",
     ]
     return "\n".join(parts)

@@ -562,7 +562,7 @@ def check_decode_workload(fn: DecodeFn, workload: DecodeWorkload, *,
                           scale: float | None = None, device: str = "cuda") -> Verdict:
     """The decode criterion on every case of ``decode_plan(workload)``, each on fresh inputs:
     the first failure, or a pass carrying the largest error seen."""
-    from evoengine._standalone import KERNEL_DTYPES
+    from evoengine.launch import KERNEL_DTYPES
 
     dtype = KERNEL_DTYPES[workload.dtype]
     worst = Verdict(True, 0.0, 0.0)

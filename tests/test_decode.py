@@ -13,13 +13,13 @@ from evoengine import paths, validate
 from evoengine.arch import get_arch
 from evoengine.compile import compile_candidate
 from evoengine.launch.decode import (
-    MAX_SPLITS,
-    DecodeEntry,
+    MAX_DECODE_SPLITS,
     check_decode_inputs,
     decode_splits,
     nearest_decode,
     sdpa_decode,
 )
+from evoengine.launch.dispatch import Entry
 from evoengine.problems import problem, workload_from_dict, workload_from_key
 from evoengine.problems.decode import Decode, DecodeWorkload, bandwidth_fraction
 from evoengine.render import make_candidate, render
@@ -39,6 +39,23 @@ def test_workload_key_round_trips() -> None:
         assert workload_from_dict(w.to_dict()) == w
     assert problem("decode").workload_from_key(paged.key()) == paged
     assert paged.problem() == {"HEAD_DIM": 128, "DTYPE": "fp16", "PAGED": True}
+
+
+def test_workload_names_a_dispatch_entry() -> None:
+    """export builds a dispatch entry from a won workload's seq_q, seq_k, heads and causal."""
+    w = DecodeWorkload(8, 4, 32, 8, 128, 32768)
+    assert (w.seq_q, w.seq_k, w.heads, w.causal) == (4, 32768, 32, True)
+
+
+def test_launcher_carries_the_decode_kind() -> None:
+    from evoengine.launch import MODULES, module_text
+    from evoengine.launch.dispatch import KERNEL_CLASSES
+
+    assert MODULES.index("decode") < MODULES.index("dispatch")
+    assert KERNEL_CLASSES["decode"].__name__ == "CudaDecode"
+    text = module_text()
+    assert "class CudaDecode" in text and "class TunedDecode" in text
+    compile(text, "launcher", "exec")  # one namespace: it parses
 
 
 def test_workload_counts() -> None:
@@ -124,15 +141,15 @@ def test_split_policies() -> None:
     assert decode_splits("waves", 1, units=512, tiles=512, slots=132) == 1
     assert decode_splits("waves", 4, units=1, tiles=10, slots=132) == 10
     assert decode_splits("fixed", 8, units=1, tiles=3, slots=132) == 3
-    assert decode_splits("fixed", 10_000, units=1, tiles=10_000, slots=1) == MAX_SPLITS
+    assert decode_splits("fixed", 10_000, units=1, tiles=10_000, slots=1) == MAX_DECODE_SPLITS
     with pytest.raises(ValueError, match="split policy"):
         decode_splits("auto", 1, units=1, tiles=1, slots=1)
 
 
 def test_nearest_entry_by_cache_then_batch() -> None:
-    entries = [DecodeEntry(0, "fp16", 128, True, 1, 4096, 8, 32, 8),
-               DecodeEntry(1, "fp16", 128, True, 1, 131072, 1, 32, 8),
-               DecodeEntry(2, "fp16", 128, True, 1, 131072, 64, 32, 8)]
+    entries = [Entry(0, "fp16", 128, True, 1, 4096, 8, 32, kind="decode"),
+               Entry(1, "fp16", 128, True, 1, 131072, 1, 32, kind="decode"),
+               Entry(2, "fp16", 128, True, 1, 131072, 64, 32, kind="decode")]
     assert nearest_decode(entries, 3000, 1).kernel == 0
     assert nearest_decode(entries, 100_000, 2).kernel == 1
     assert nearest_decode(entries, 100_000, 32).kernel == 2

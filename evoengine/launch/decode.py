@@ -32,35 +32,34 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from evoengine._standalone import (
-    _DTYPE_NAMES,
+from evoengine.launch.core import (
+    DTYPE_NAMES,
     FALLBACKS,
     KERNEL_DTYPES,
     LOG2E,
-    CudaKernel,
+    MAX_GRID_YZ,
     NoKernelError,
     ParamBuffer,
-    _launch_in_context,
-    _raw_stream,
-    _sm_count,
+    launch_in_context,
+    raw_stream,
     sdpa_attention,
+    sm_count,
     softmax_scale,
 )
+from evoengine.launch.forward import CudaKernel
 
 DECODE_ENTRIES = ("attn_decode", "attn_decode_combine")
 DECODE_MAIN_ARGS = ParamBuffer("Q" * 9 + "i" * 6 + "q" * 13 + "f")
 DECODE_COMBINE_ARGS = ParamBuffer("QQQQ" + "iiii" + "qqq")
-COMBINE_THREADS = 256  # the template's cfg::COMBINE_THREADS
-MAX_Q_LEN = 16
-MAX_SPLITS = 256  # parts are fp32 [splits, B, q_len, H, D]: bounded memory
+DECODE_COMBINE_THREADS = 256  # the template's cfg::DECODE_COMBINE_THREADS
+MAX_DECODE_Q_LEN = 16
+MAX_DECODE_SPLITS = 256  # parts are fp32 [splits, B, q_len, H, D]: bounded memory
 SPLIT_POLICIES = ("waves", "fixed")
-_MAX_GRID_YZ = 65535
 
 
 class DecodeShape(NamedTuple):
@@ -77,7 +76,7 @@ class DecodeShape(NamedTuple):
     num_pages: int  # 0 for a contiguous cache
 
 
-def _aligned(name: str, t: Tensor) -> None:
+def _decode_aligned(name: str, t: Tensor) -> None:
     strides = t.stride()
     if strides[-1] != 1 or any(s % 8 for s in strides[:-1]) or t.data_ptr() % 16:
         raise ValueError(f"{name} must have a contiguous last dim, strides a multiple of 8 "
@@ -103,7 +102,7 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
             what = "num_pages, page_size" if block_table is not None else "batch, max_len"
             raise ValueError(f"{name} must be 4-D [{what}, kv_heads, head_dim], "
                              f"got {tuple(t.shape)}")
-    if q.dtype not in _DTYPE_NAMES:
+    if q.dtype not in DTYPE_NAMES:
         raise ValueError(f"q must be float16 or bfloat16, got {q.dtype}")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, "
@@ -118,8 +117,8 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
     if q.numel() == 0 or k_cache.numel() == 0:
         raise ValueError(f"q and the cache must not be empty, got {tuple(q.shape)} and "
                          f"{tuple(k_cache.shape)}")
-    if q_len > MAX_Q_LEN:
-        raise ValueError(f"q_len must be at most {MAX_Q_LEN} for decode, got {q_len}: for "
+    if q_len > MAX_DECODE_Q_LEN:
+        raise ValueError(f"q_len must be at most {MAX_DECODE_Q_LEN} for decode, got {q_len}: for "
                          "longer prefill chunks use the forward attention (evoengine's "
                          "attention or SDPA) over the cache")
     if kd != d:
@@ -129,7 +128,7 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
     if q_heads % kv_heads:
         raise ValueError(f"query heads ({q_heads}) must be a multiple of kv heads ({kv_heads})")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _aligned(name, t)
+        _decode_aligned(name, t)
     if (cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,)
             or not cache_seqlens.is_contiguous()):
         raise ValueError(f"cache_seqlens must be a contiguous int32 [{batch}], got "
@@ -153,8 +152,8 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
             raise ValueError(f"page_size (k_cache.shape[1]) must be a power of 2, got {per_row}")
         shape = DecodeShape(batch, q_len, q_heads, kv_heads, d, True, per_row,
                             block_table.shape[1] * per_row, rows)
-    if kv_heads > _MAX_GRID_YZ or batch > _MAX_GRID_YZ:
-        raise ValueError(f"batch and kv heads must be at most {_MAX_GRID_YZ}, got {batch}, "
+    if kv_heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
+        raise ValueError(f"batch and kv heads must be at most {MAX_GRID_YZ}, got {batch}, "
                          f"{kv_heads}")
     tensors = [q, k_cache, v_cache, cache_seqlens] + ([block_table] if block_table is not None
                                                       else [])
@@ -196,7 +195,7 @@ def check_decode_out(name: str, t: Tensor | None, shape: tuple[int, ...], dtype:
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     if not contiguous:
-        _aligned(name, t)
+        _decode_aligned(name, t)
 
 
 def decode_splits(policy: str, splits: int, *, units: int, tiles: int, slots: int) -> int:
@@ -204,14 +203,14 @@ def decode_splits(policy: str, splits: int, *, units: int, tiles: int, slots: in
     as fit ``splits`` whole waves of the GPU's ``slots`` (SMs x blocks resident per SM) when
     each split is ``units`` blocks (batch x kv heads x row chunks), at least one: a partial
     last wave of a memory-bound kernel leaves SMs idle while it streams. Capped at one
-    split per tile of the capacity and at MAX_SPLITS."""
+    split per tile of the capacity and at MAX_DECODE_SPLITS."""
     if policy == "fixed":
         n = splits
     elif policy == "waves":
         n = splits * slots // max(1, units)
     else:
         raise ValueError(f"split policy must be one of {SPLIT_POLICIES}, got {policy!r}")
-    return max(1, min(n, tiles, MAX_SPLITS))
+    return max(1, min(n, tiles, MAX_DECODE_SPLITS))
 
 
 def resident_blocks(fn: int, threads: int, smem_bytes: int, index: int) -> int:
@@ -234,6 +233,9 @@ class CudaDecode:
 
     Loads on first use per device. ``launch`` is the unchecked hot path."""
 
+    kind = "decode"  # the problem it solves (dispatch.KERNEL_CLASSES)
+    causal = True  # as dispatch entries key kernels; causal or not is a launch argument
+
     def __init__(self, name: str, *, head_dim: int, dtype: str, paged: bool, block_m: int,
                  block_n: int, threads: int, smem_bytes: int, split_policy: str, splits: int,
                  arch: str | None = None, cubin: bytes | None = None,
@@ -247,13 +249,24 @@ class CudaDecode:
         main, combine = DECODE_ENTRIES
         self.main = CudaKernel(name, threads=threads, smem_bytes=smem_bytes, entry=main,
                                **common)
-        self.combine = CudaKernel(f"{name}:{combine}", threads=COMBINE_THREADS, smem_bytes=0,
+        self.combine = CudaKernel(f"{name}:{combine}", threads=DECODE_COMBINE_THREADS, smem_bytes=0,
                                   entry=combine, **common)
         self.name, self.arch, self.cubin, self.source = name, arch, cubin, source
         self.head_dim, self.dtype, self.paged = int(head_dim), dtype, bool(paged)
         self.block_m, self.block_n = int(block_m), int(block_n)
         self.split_policy, self.splits = split_policy, int(splits)
         self._slots: dict[int, int] = {}  # per device: SMs x blocks resident per SM
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any], arch: str | None, *, cubin: bytes | None,
+                  source: str | None) -> CudaDecode:
+        """The kernel an export's spec describes (``dispatch.kernel_from_spec``)."""
+        problem, params = spec["problem"], spec["params"]
+        return cls(spec["name"], head_dim=problem["HEAD_DIM"], dtype=problem["DTYPE"],
+                   paged=problem["PAGED"], block_m=spec["block_m"], block_n=params["BLOCK_N"],
+                   threads=spec["threads"], smem_bytes=spec["smem_bytes"],
+                   split_policy=params["SPLIT_POLICY"], splits=params["SPLITS"], arch=arch,
+                   cubin=cubin, source=source, defines=spec.get("defines"))
 
     def __repr__(self) -> str:
         return f"CudaDecode({self.name!r})"
@@ -264,15 +277,15 @@ class CudaDecode:
         loaded = self.main.load(index)
         self.combine.load(index)
         if index not in self._slots:
-            self._slots[index] = _sm_count(index) * resident_blocks(
+            self._slots[index] = sm_count(index) * resident_blocks(
                 loaded.fn, self.main.threads, self.main.smem_bytes, index)
 
     def plan(self, shape: DecodeShape, index: int) -> tuple[int, int]:
         """(row chunks, splits) of a call: the grid's second and first dimensions' factors."""
         rows = shape.q_len * (shape.q_heads // shape.kv_heads)
         chunks = -(-rows // self.block_m)
-        if shape.kv_heads * chunks > _MAX_GRID_YZ:
-            raise ValueError(f"kv heads x row chunks must be at most {_MAX_GRID_YZ}")
+        if shape.kv_heads * chunks > MAX_GRID_YZ:
+            raise ValueError(f"kv heads x row chunks must be at most {MAX_GRID_YZ}")
         if index not in self._slots:
             self.load(index)
         splits = decode_splits(self.split_policy, self.splits,
@@ -309,7 +322,7 @@ class CudaDecode:
         main, combine = self.main.load(index), self.combine.load(index)
         if index not in self._slots:
             self.load(index)
-        stream = _raw_stream(index)
+        stream = raw_stream(index)
         chunks, splits = self.plan(shape, index)
         b, q_len, h, d = q.shape
         part = lse_part = None
@@ -327,7 +340,7 @@ class CudaDecode:
             q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), out.stride(0), out.stride(1), out.stride(2),
             0 if block_table is None else block_table.stride(0), scale * LOG2E)
-        _launch_in_context(main, (main.fn, splits, shape.kv_heads * chunks, b,
+        launch_in_context(main, (main.fn, splits, shape.kv_heads * chunks, b,
                                   self.main.threads, 1, 1, self.main.smem_bytes, stream,
                                   ctypes.addressof(args[1]), 0))
         if splits > 1:
@@ -335,73 +348,41 @@ class CudaDecode:
                                              out.data_ptr(), ptr(lse), b, q_len, h, splits,
                                              out.stride(0), out.stride(1), out.stride(2))
             threads = b * q_len * h * (d // 4)
-            _launch_in_context(combine, (combine.fn, -(-threads // COMBINE_THREADS), 1, 1,
-                                         COMBINE_THREADS, 1, 1, 0, stream,
+            launch_in_context(combine, (combine.fn, -(-threads // DECODE_COMBINE_THREADS), 1, 1,
+                                         DECODE_COMBINE_THREADS, 1, 1, 0, stream,
                                          ctypes.addressof(cargs[1]), 0))
         del part, lse_part  # only now: both launches have read their addresses
 
 
-def decode_from_spec(spec: Mapping[str, Any], name: str, arch: str | None,
-                     cubin: bytes | None, source: str | None) -> CudaDecode:
-    """A ``CudaDecode`` from an export's spec (kind ``decode``), its cubin and source
-    already checked against their sha256."""
-    problem, params = spec["problem"], spec["params"]
-    return CudaDecode(name, head_dim=problem["HEAD_DIM"], dtype=problem["DTYPE"],
-                      paged=problem["PAGED"], block_m=params["BLOCK_M"],
-                      block_n=params["BLOCK_N"], threads=spec["threads"],
-                      smem_bytes=spec["smem_bytes"], split_policy=params["SPLIT_POLICY"],
-                      splits=params["SPLITS"], arch=arch, cubin=cubin, source=source,
-                      defines=spec.get("defines"))
-
-
 # ---- dispatch over tuned decode kernels -----------------------------------------------------
 
-@dataclass(frozen=True)
-class DecodeEntry:
-    """One line of the decode dispatch table: the kernel tuned for one decode workload."""
-
-    kernel: int  # index into the kernel list
-    dtype: str
-    head_dim: int
-    paged: bool
-    q_len: int
-    cache_len: int
-    batch: int
-    q_heads: int
-    kv_heads: int
-    median_us: float | None = None
-    workload: str = ""
-
-    @property
-    def key(self) -> tuple[str, int, bool]:
-        return (self.dtype, self.head_dim, self.paged)
-
-
-def nearest_decode(entries: Iterable[DecodeEntry], cache_len: int, batch: int) -> DecodeEntry:
-    """The entry tuned nearest the call: closest cache length in log scale, then closest
-    batch (log scale); ties go to the entry listed first."""
-    def distance(e: DecodeEntry) -> tuple[float, float]:
-        return (abs(math.log(max(1, cache_len) / e.cache_len)),
-                abs(math.log(batch / e.batch)))
+def nearest_decode(entries: Iterable[Any], cache_len: int, batch: int) -> Any:
+    """The dispatch entry (``dispatch.Entry`` of kind ``decode``: ``seq_k`` the cache length
+    it was tuned at) nearest the call: closest cache length in log scale, then closest batch
+    (log scale); ties go to the entry listed first."""
+    def distance(e: Any) -> tuple[float, float]:
+        return (abs(math.log(max(1, cache_len) / e.seq_k)), abs(math.log(batch / e.batch)))
     return min(entries, key=distance)
 
 
 class TunedDecode:
     """``attention_decode(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True,
     scale=None, fallback=None)`` over a table of tuned decode kernels: the one tuned for the
-    call's (dtype, head_dim, layout) nearest its cache capacity and batch."""
+    call's (dtype, head_dim, layout) nearest its cache capacity and batch. ``entries`` are the
+    module's dispatch entries; those of kind ``decode`` are its table (``seq_q``, ``seq_k``,
+    ``heads``: the q_len, cache length and query heads tuned for)."""
 
-    def __init__(self, kernels: list[Any], entries: Iterable[DecodeEntry]) -> None:
+    def __init__(self, kernels: list[Any], entries: Iterable[Any]) -> None:
         self.kernels = list(kernels)
-        self.entries = tuple(entries)
-        self.table: dict[tuple[str, int, bool], list[DecodeEntry]] = {}
+        self.entries = tuple(e for e in entries if e.kind == CudaDecode.kind)
+        self.table: dict[tuple[str, int, bool], list[Any]] = {}
         for e in self.entries:
             k = self.kernels[e.kernel]
-            if not isinstance(k, CudaDecode) or (k.dtype, k.head_dim, k.paged) != e.key:
+            if not isinstance(k, CudaDecode) or (k.dtype, k.head_dim) != (e.dtype, e.head_dim):
                 raise ValueError(f"decode entry {e.workload} names kernel "
                                  f"{getattr(k, 'name', k)}, which is compiled for another "
                                  "problem")
-            self.table.setdefault(e.key, []).append(e)
+            self.table.setdefault((e.dtype, e.head_dim, k.paged), []).append(e)
 
     def __repr__(self) -> str:
         keys = ", ".join(f"{d} head_dim {h} {'paged' if p else 'contiguous'}"
@@ -409,7 +390,7 @@ class TunedDecode:
         return f"<tuned decode: {len(self.entries)} entries for {keys or 'nothing'}>"
 
     def select(self, dtype: str, head_dim: int, paged: bool, cache_len: int,
-               batch: int) -> DecodeEntry | None:
+               batch: int) -> Any:
         """The entry for a call, or None where no kernel has its (dtype, head_dim, layout).
         Pure Python: no GPU needed."""
         group = self.table.get((dtype, head_dim, paged))
@@ -426,7 +407,7 @@ class TunedDecode:
         shape = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
         if check:
             check_decode_values(shape, cache_seqlens, block_table)
-        entry = self.select(_DTYPE_NAMES[q.dtype], shape.head_dim, shape.paged, shape.capacity,
+        entry = self.select(DTYPE_NAMES[q.dtype], shape.head_dim, shape.paged, shape.capacity,
                             shape.batch)
         kernel = None if entry is None else self.kernels[entry.kernel]
         if kernel is not None:

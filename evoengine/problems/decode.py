@@ -79,6 +79,24 @@ class DecodeWorkload:
     def paged(self) -> bool:
         return self.layout == "paged"
 
+    # As a dispatch entry names a workload (launch.dispatch.Entry): the q_len, the cache
+    # length and the query heads; decode is causal.
+    @property
+    def seq_q(self) -> int:
+        return self.q_len
+
+    @property
+    def seq_k(self) -> int:
+        return self.cache_len
+
+    @property
+    def heads(self) -> int:
+        return self.q_heads
+
+    @property
+    def causal(self) -> bool:
+        return True
+
     @property
     def capacity(self) -> int:
         """Keys a sequence's cache holds: cache_len, in whole pages when paged."""
@@ -198,7 +216,7 @@ class Decode(Problem):
         import torch
 
         from evoengine import measure
-        from evoengine._standalone import KERNEL_DTYPES
+        from evoengine.launch import KERNEL_DTYPES
         from evoengine.validate import decode_cache
 
         w = workload
@@ -218,7 +236,7 @@ class Decode(Problem):
 
     def timed_call(self, kernel: Any, workload: Any,
                    sets: Sequence[tuple[Any, ...]]) -> TimedCall:
-        from evoengine._standalone import softmax_scale
+        from evoengine.launch import softmax_scale
         from evoengine.launch.decode import check_decode_inputs
 
         q, k, v, lens, table, _ = sets[0]

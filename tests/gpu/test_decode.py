@@ -16,7 +16,8 @@ import torch
 from evoengine import paths, validate
 from evoengine.compile import compile_many
 from evoengine.decode import DecodeKernel
-from evoengine.launch.decode import DecodeEntry, TunedDecode, sdpa_decode
+from evoengine.launch.decode import TunedDecode, sdpa_decode
+from evoengine.launch.dispatch import Entry
 from evoengine.problems.decode import Decode, DecodeWorkload
 from evoengine.render import Candidate, make_candidate
 from evoengine.runtime import gpu_arch
@@ -121,8 +122,8 @@ def test_tuned_decode_dispatch_end_to_end() -> None:
     """The exported entry point over two tuned kernels: nearest by cache length, the SDPA
     fallback where no kernel has the layout."""
     paged = kernels(128, "fp16", True)
-    entries = [DecodeEntry(0, "fp16", 128, True, 1, 4096, 8, 32, 8, workload="a"),
-               DecodeEntry(1, "fp16", 128, True, 1, 131072, 1, 32, 8, workload="b")]
+    entries = [Entry(0, "fp16", 128, True, 1, 4096, 8, 32, workload="a", kind="decode"),
+               Entry(1, "fp16", 128, True, 1, 131072, 1, 32, workload="b", kind="decode")]
     tuned = TunedDecode(paged[:2], entries)
     assert tuned.select("fp16", 128, True, 100_000, 1) is entries[1]
     lengths = [3000, 1, 4095]
