@@ -218,3 +218,40 @@ def test_plan_covers_ragged_and_own_length() -> None:
     assert ragged.capacity % 64 == 0 and ragged.heads == 2 * 8
     assert max(own.lengths) == w.cache_len and len(set(own.lengths)) == 2
     assert len(own.lengths) * own.heads * w.q_len * w.cache_len <= validate.MAX_REFERENCE_SCORES
+
+
+DECODE_POINT = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
+                    SPLIT_POLICY="waves", SPLITS=1)
+
+
+def decode_store(db: object, arch: str, workloads: list[DecodeWorkload]) -> None:
+    """A store whose decode elites are DECODE_POINT, one per workload (tests/gpu too)."""
+    from evoengine.store import Store
+
+    space = SearchSpace.load(SPACE)
+    target = get_arch(arch)
+    with Store(f"sqlite:///{db}") as store:
+        for w in workloads:
+            cand = make_candidate(space, DECODE_POINT, w.problem(), target)
+            if store.candidate(cand.identity) is None:
+                store.add_candidate(identity=cand.identity, family=cand.family,
+                                    template_hash=cand.template_hash, params=cand.params,
+                                    problem=cand.problem, source=render(cand))
+            run = store.start_run(arch=target.name, workload=w.to_dict(), workload_key=w.key(),
+                                  device="test", study="decode-test")
+            store.set_elites(arch=target.name, workload_key=w.key(),
+                             entries=[(cand.identity, 50.0)], run_id=run)
+
+
+def test_export_carries_attention_decode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from evoengine.export import export_best
+
+    workloads = [DecodeWorkload(8, 1, 32, 8, 128, 4096),
+                 DecodeWorkload(1, 1, 32, 8, 128, 131072)]
+    decode_store(tmp_path / "evo.db", "sm_90a", workloads)
+    done = export_best(str(tmp_path / "evo.db"), "sm_90a", output=tmp_path / "tuned.py")
+    text = done.path.read_text()
+    assert "attention_decode = TunedDecode(attention.kernels, DISPATCH)" in text
+    assert "Decode (sq: q_len, sk: cache length):" in text
+    assert text.count("kind='decode')") == 2  # one dispatch entry per won workload
+    compile(text, "tuned.py", "exec")

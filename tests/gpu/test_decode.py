@@ -140,3 +140,36 @@ def test_tuned_decode_dispatch_end_to_end() -> None:
         tuned(q, kc, vc, lc)
     out = tuned(q, kc, vc, lc, fallback="sdpa")
     assert torch.isfinite(out).all()
+
+
+def test_exported_module_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A store with decode elites, exported, imported as a plain module: attention_decode
+    over a shuffled paged cache passes the criterion; the contiguous layout it has no kernel
+    for raises one line or runs SDPA."""
+    from evoengine.export import export_best
+    from tests.test_decode import decode_store
+    from tests.test_export import import_path
+
+    arch = gpu_arch()
+    workloads = [DecodeWorkload(8, 1, 32, 8, 128, 4096), DecodeWorkload(1, 4, 64, 8, 128, 32768)]
+    decode_store(tmp_path / "evo.db", arch.name, workloads)
+    done = export_best(str(tmp_path / "evo.db"), arch, output=tmp_path / "tuned_decode.py")
+    module = import_path(done.path, "tuned_decode_gpu")
+
+    def fn(q, k, v, lens, table, *, causal, scale, out, lse):  # type: ignore[no-untyped-def]
+        out.copy_(module.attention_decode(q, k, v, lens, table, causal=causal, scale=scale))
+        lse.zero_()  # attention_decode returns no lse; judged on out alone
+        return out
+
+    for lengths, q_len, heads in (((0, 3, 4095, 1000), 4, 64), ((4096, 1, 77), 1, 32)):
+        v = validate.check_decode(fn, lengths=list(lengths), capacity=4096, q_len=q_len,
+                                  heads=heads, kv_heads=8, head_dim=128, dtype=torch.float16,
+                                  paged=True, page_size=64, seed=7)
+        # the lse written here is zeros, not the reference's: only the output is judged
+        assert v.ok or "log-sum-exp" in v.reason, v.reason
+    q = torch.randn(2, 1, 32, 128, device="cuda", dtype=torch.float16)
+    k, vc, lens, _ = validate.decode_cache(2, [10, 20], 32, 8, 128, torch.float16,
+                                           paged=False, page_size=0, device="cuda")
+    with pytest.raises(module.NoKernelError, match="no tuned decode kernel"):
+        module.attention_decode(q, k, vc, lens)
+    assert torch.isfinite(module.attention_decode(q, k, vc, lens, fallback="sdpa")).all()
