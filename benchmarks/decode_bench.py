@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = provenance.header(**provenance.local_device(), method=(
             f"{Decode().method()}; {args.rounds} rounds interleaved, median of the rounds' "
             f"medians ({args.reps} reps each); copy: torch copy_ of the K and V bytes into one "
-            f"buffer; {measure.INPUTS}"), summary=text, rows=rows)
+            f"buffer; {measure.INPUTS}"), summary=text, checked=args.check, rows=rows)
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 
