@@ -209,6 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{'workload':<48} {'ours us':>9} {'copy us':>9} {'bw frac':>8} "
           f"{'anchor':>7} {'anchor us':>10} {'x':>6}")
+    def write() -> str:
+        text = summary(rows)
+        if args.out:  # after every row: a run cut short keeps what it timed
+            doc = provenance.header(**provenance.local_device(), method=(
+                f"{Decode().method()}; {args.rounds} rounds interleaved, median of the rounds' "
+                f"medians ({args.reps} reps each); copy: torch copy_ of the K and V bytes into "
+                f"one buffer; {measure.INPUTS}"), summary=text, checked=args.check, rows=rows)
+            Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        return text
+
     for w in grid(args):
         row = run_row(w, points.get(w.key(), points["*"]), args, arch)
         rows.append(row)
@@ -218,14 +228,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{row.get('vs_best_anchor', float('nan')):6.2f}", flush=True)
         for what, why in row["rejected"].items():
             print(f"  rejected {what}: {why}")
-    text = summary(rows)
-    print(text)
-    if args.out:
-        doc = provenance.header(**provenance.local_device(), method=(
-            f"{Decode().method()}; {args.rounds} rounds interleaved, median of the rounds' "
-            f"medians ({args.reps} reps each); copy: torch copy_ of the K and V bytes into one "
-            f"buffer; {measure.INPUTS}"), summary=text, checked=args.check, rows=rows)
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        write()
+    print(write())
     return 0
 
 

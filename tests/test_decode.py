@@ -103,6 +103,15 @@ def test_cli_knows_the_kind() -> None:
     assert problem(args.kind).workload_from_arguments(args).cache_len == 4096
 
 
+def test_points_from_before_l2_prefetch_complete() -> None:
+    """The probe's points (benchmarks/results/2026-11-24-h100-decode-probe.json) predate
+    L2_PREFETCH: they complete to the kernel they measured."""
+    space = SearchSpace.load(SPACE)
+    old = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
+               SPLIT_POLICY="waves", SPLITS=1)
+    assert space.complete(old)["L2_PREFETCH"] == 0
+
+
 def test_space_is_of_kind_decode() -> None:
     space = SearchSpace.load(SPACE)
     assert space.kind == "decode" and space.family == "decode"
@@ -121,9 +130,9 @@ def test_compiles_offline_without_spills(arch: str, paged: bool) -> None:
     target = get_arch(arch)
     for head_dim, dtype, params in [
         (128, "fp16", dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=2, VEC_BYTES=16,
-                           SPLIT_POLICY="waves", SPLITS=1)),
+                           L2_PREFETCH=256, SPLIT_POLICY="waves", SPLITS=1)),
         (64, "bf16", dict(BLOCK_N=32, BLOCK_M=32, NUM_WARPS=2, STAGES=3, VEC_BYTES=8,
-                          SPLIT_POLICY="fixed", SPLITS=8)),
+                          L2_PREFETCH=128, SPLIT_POLICY="fixed", SPLITS=8)),
     ]:
         problem_ = {"HEAD_DIM": head_dim, "DTYPE": dtype, "PAGED": paged}
         cand = make_candidate(space, params, problem_, target)
@@ -221,7 +230,7 @@ def test_plan_covers_ragged_and_own_length() -> None:
 
 
 DECODE_POINT = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
-                    SPLIT_POLICY="waves", SPLITS=1)
+                    L2_PREFETCH=256, SPLIT_POLICY="waves", SPLITS=1)
 
 
 def decode_store(db: object, arch: str, workloads: list[DecodeWorkload]) -> None:

@@ -24,16 +24,16 @@ from evoengine.runtime import gpu_arch
 from evoengine.space import SearchSpace
 
 # Hand-picked points: one split and many, every tile and ring depth, both copy widths, one
-# and two m16 row tiles, 2 to 8 warps.
+# and two m16 row tiles, 2 to 8 warps, each L2 prefetch hint.
 POINTS = [
-    dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=4, VEC_BYTES=16, SPLIT_POLICY="waves",
-         SPLITS=2),
-    dict(BLOCK_N=32, BLOCK_M=32, NUM_WARPS=2, STAGES=2, VEC_BYTES=8, SPLIT_POLICY="fixed",
-         SPLITS=1),
-    dict(BLOCK_N=128, BLOCK_M=16, NUM_WARPS=8, STAGES=3, VEC_BYTES=16, SPLIT_POLICY="fixed",
-         SPLITS=32),
-    dict(BLOCK_N=256, BLOCK_M=16, NUM_WARPS=4, STAGES=2, VEC_BYTES=16, SPLIT_POLICY="waves",
-         SPLITS=4),
+    dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=4, VEC_BYTES=16, L2_PREFETCH=256,
+         SPLIT_POLICY="waves", SPLITS=2),
+    dict(BLOCK_N=32, BLOCK_M=32, NUM_WARPS=2, STAGES=2, VEC_BYTES=8, L2_PREFETCH=128,
+         SPLIT_POLICY="fixed", SPLITS=1),
+    dict(BLOCK_N=128, BLOCK_M=16, NUM_WARPS=8, STAGES=3, VEC_BYTES=16, L2_PREFETCH=0,
+         SPLIT_POLICY="fixed", SPLITS=32),
+    dict(BLOCK_N=256, BLOCK_M=16, NUM_WARPS=4, STAGES=2, VEC_BYTES=16, L2_PREFETCH=256,
+         SPLIT_POLICY="waves", SPLITS=4),
 ]
 # (lengths, q_len, heads, kv_heads, page_size)
 CASES = [
