@@ -14,6 +14,13 @@ alone) and dQ, dK, dV poisoned, each gradient must be finite and within
 ``ERR_FACTOR x (the error of torch SDPA's own backward in the same dtype) + a floor`` of a
 float64 reference (the floor: GRAD_FLOOR, or one ulp of the dtype at the reference's largest
 magnitude); dQ of rows that see no key must be exactly zero.
+
+The decode criterion (``check_decode``) is the forward's on a KV cache: ragged per-sequence
+lengths (0, fewer than q_len, none a multiple of a tile or a page), pages dealt to the
+sequences in a shuffled order, every position past a sequence's length (and every page it
+does not reach) NaN and the block-table entries past it -1, output and log-sum-exp poisoned;
+the float64 reference groups query heads by key/value head (``decode_reference``), the
+baseline is SDPA per sequence in the same dtype (``launch.decode.sdpa_decode``).
 """
 
 from __future__ import annotations
@@ -21,12 +28,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-    from evoengine.problems.decode import DecodeWorkload
     from evoengine.workload import Workload
 
 ERR_FACTOR = 2.0
@@ -525,8 +531,9 @@ class DecodeCase:
     kv_heads: int
 
 
-def decode_plan(workload: DecodeWorkload) -> list[DecodeCase]:
-    """The shapes a decode candidate must pass for ``workload`` before it is timed.
+def decode_plan(workload: Any) -> list[DecodeCase]:
+    """The shapes a decode candidate must pass for ``workload`` (a
+    ``problems.decode.DecodeWorkload``: that module imports this one) before it is timed.
 
     1. Ragged: four sequences of lengths 0, fewer than q_len (queries that see no key), an
        odd middle length and the longest, at most ``DECODE_RAGGED_LENGTH`` (prime: no
@@ -551,14 +558,14 @@ def decode_plan(workload: DecodeWorkload) -> list[DecodeCase]:
     return cases
 
 
-def _capacity(length: int, workload: DecodeWorkload) -> int:
+def _capacity(length: int, workload: Any) -> int:
     """Capacity for sequences up to ``length`` keys: whole pages when paged."""
     if workload.layout != "paged":
         return length
     return -(-length // workload.page_size) * workload.page_size
 
 
-def check_decode_workload(fn: DecodeFn, workload: DecodeWorkload, *,
+def check_decode_workload(fn: DecodeFn, workload: Any, *,
                           scale: float | None = None, device: str = "cuda") -> Verdict:
     """The decode criterion on every case of ``decode_plan(workload)``, each on fresh inputs:
     the first failure, or a pass carrying the largest error seen."""
