@@ -2,9 +2,10 @@
 
 ``export_best`` writes a Python module that needs only torch and cupy: the launcher
 (``evoengine/launch/``, its modules joined verbatim), and for each rank-1 elite of the target,
-forward or backward, its rendered CUDA source, its cubin for that target, their sha256, its
-parameters, its kind and the workload it won, plus a dispatch table over them (one per kind:
-the backward's serves the autograd formula of the module's ``attention``). ``load`` builds
+forward, backward or decode, its rendered CUDA source, its cubin for that target, their
+sha256, its parameters, its kind and the workload it won, plus a dispatch table over them (one
+per kind: the backward's serves the autograd formula of the module's ``attention``, decode's
+its ``attention_decode``). ``load`` builds
 the same callable straight from the store. Compiling needs no GPU, so a module for any
 target can be exported anywhere.
 """
@@ -82,8 +83,8 @@ def _workload_of(elite: EliteRecord, run: RunRecord | None) -> Any:
         raise ExportError(f"elite {elite.identity}: cannot tell its workload ({e})") from None
 
 
-# The problem kinds an exported module dispatches: the forward, and the backward that its
-# autograd formula launches.
+# The problem kinds an exported module dispatches: the forward, the backward that its
+# autograd formula launches, and decode (its attention_decode).
 EXPORTED_KINDS = KINDS
 
 
@@ -325,7 +326,8 @@ class Exported:
     entries: list[Entry]
 
     def summary(self) -> str:
-        keys = "; ".join(f"{'backward ' * (kind == 'bwd')}{describe(key)} at sk "
+        what = {"bwd": "backward ", "decode": "decode "}
+        keys = "; ".join(f"{what.get(kind, '')}{describe(key)} at sk "
                          + ", ".join(str(e.seq_k) for e in group)
                          for kind in KINDS
                          for key, group in dispatch_table(self.entries, kind).items())
