@@ -262,5 +262,19 @@ def test_export_carries_attention_decode(tmp_path) -> None:  # type: ignore[no-u
     text = done.path.read_text()
     assert "attention_decode = TunedDecode(attention.kernels, DISPATCH)" in text
     assert "Decode (sq: q_len, sk: cache length):" in text
-    assert text.count("kind='decode')") == 2  # one dispatch entry per won workload
+    entries = [line for line in text.splitlines() if line.startswith("    Entry(")]
+    assert len(entries) == 2 and all("kind='decode'" in e for e in entries)  # one per win
     compile(text, "tuned.py", "exec")
+
+
+def test_tune_plans_decode_steps_of_a_model() -> None:
+    from evoengine.geometry import ModelGeometry
+
+    g = ModelGeometry(heads=32, head_dim=128, kv_heads=8, dtype="bf16", max_seq=131072)
+    calls = Decode().tune_workloads(g)
+    assert [(w.batch, w.cache_len) for w in calls] == [
+        (1, 4096), (8, 4096), (1, 32768), (8, 32768), (1, 131072), (8, 131072)]
+    assert all(w.q_len == 1 and w.paged and w.dtype == "bf16" and w.kv_heads == 8
+               for w in calls)
+    short = Decode().tune_workloads(ModelGeometry(heads=8, head_dim=64, max_seq=2048))
+    assert [w.cache_len for w in short] == [2048, 2048]

@@ -26,6 +26,7 @@ from evoengine.workload import DTYPES
 
 if TYPE_CHECKING:
     from evoengine.compile import CompileResult
+    from evoengine.geometry import ModelGeometry
     from evoengine.measure import Timing
     from evoengine.render import Candidate
     from evoengine.validate import Verdict
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 PREFIX = "decode-"
 LAYOUTS = ("paged", "contiguous")
 MAX_Q_LEN = 16
+TUNE_MAX_KV_BYTES = 16 << 30  # a tune's decode steps: K and V of at most this many bytes
 _KEY = re.compile(r"decode-b(\d+)-q(\d+)-h(\d+)-kv(\d+)-d(\d+)-c(\d+)-(paged(\d+)|contig)-(\w+)")
 
 
@@ -171,6 +173,22 @@ class Decode(Problem):
 
     def workload_from_dict(self, data: Mapping[str, Any]) -> DecodeWorkload:
         return DecodeWorkload.from_dict(data)
+
+    def tune_workloads(self, geometry: ModelGeometry) -> list[DecodeWorkload]:
+        """A model's decode steps for ``evoengine tune``: one new token per sequence against a
+        paged cache (64-key pages) of 4K, 32K and the model's longest context (those up to
+        it), at batch 1 and 8 where K and V fit TUNE_MAX_KV_BYTES."""
+        caches = sorted({c for c in (4096, 32768) if c < geometry.max_seq} | {geometry.max_seq})
+        calls = []
+        for cache in caches:
+            for batch in (1, 8):
+                w = DecodeWorkload(batch=batch, q_len=1, q_heads=geometry.heads,
+                                   kv_heads=int(geometry.kv_heads or geometry.heads),
+                                   head_dim=geometry.head_dim, cache_len=cache,
+                                   layout="paged", page_size=64, dtype=geometry.dtype)
+                if w.kv_bytes() <= TUNE_MAX_KV_BYTES:
+                    calls.append(w)
+        return calls
 
     def workload_from_key(self, key: str) -> DecodeWorkload:
         return DecodeWorkload.from_key(key)
