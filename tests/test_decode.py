@@ -278,3 +278,20 @@ def test_tune_plans_decode_steps_of_a_model() -> None:
                for w in calls)
     short = Decode().tune_workloads(ModelGeometry(heads=8, head_dim=64, max_seq=2048))
     assert [w.cache_len for w in short] == [2048, 2048]
+
+
+def test_launcher_and_template_agree_on_the_combine_block() -> None:
+    """The launcher launches attn_decode_combine with DECODE_COMBINE_THREADS threads; the
+    template's __launch_bounds__ and row mapping take cfg::COMBINE_THREADS."""
+    import re
+
+    from evoengine.launch.decode import DECODE_COMBINE_THREADS, DECODE_ENTRIES
+
+    space = SearchSpace.load(SPACE)
+    cand = make_candidate(space, DECODE_POINT, {"HEAD_DIM": 64, "DTYPE": "fp16", "PAGED": True},
+                          get_arch("sm_90a"))
+    source = render(cand)
+    m = re.search(r"constexpr int COMBINE_THREADS = (\d+);", source)
+    assert m is not None and int(m.group(1)) == DECODE_COMBINE_THREADS
+    for entry in DECODE_ENTRIES:
+        assert 'extern "C" __global__ void __launch_bounds__' in source and f"\n{entry}(" in source
