@@ -66,8 +66,10 @@ def grid(args: argparse.Namespace) -> list[DecodeWorkload]:
     return rows
 
 
-def points_for(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    """Workload key (or "*" for every row) -> the parameter dicts to try."""
+def points_for(args: argparse.Namespace, arch: str | None = None,
+               ) -> dict[str, list[dict[str, Any]]]:
+    """Workload key (or "*" for every row) -> the parameter dicts to try (a store's: its
+    decode elites on ``arch``, rank 1 first)."""
     found: dict[str, list[dict[str, Any]]] = {}
     if args.points:
         data = json.loads(Path(args.points).read_text())
@@ -78,8 +80,8 @@ def points_for(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     if args.store:
         from evoengine.store import Store
 
-        store = Store(args.store)
-        for elite in sorted(store.elites(), key=lambda e: e.rank):
+        store = Store(args.store, create=False)
+        for elite in sorted(store.elites(arch=arch), key=lambda e: e.rank):
             if not elite.workload_key.startswith("decode-"):
                 continue
             cand = store.candidate(elite.identity)
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     from evoengine.runtime import gpu_arch
 
     arch = gpu_arch()
-    points = points_for(args)
+    points = points_for(args, arch.name)
     rows = []
     print(f"{'workload':<48} {'ours us':>9} {'copy us':>9} {'bw frac':>8} "
           f"{'anchor':>7} {'anchor us':>10} {'x':>6}")
