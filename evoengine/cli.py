@@ -275,10 +275,10 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.replay:
         workload, arch, run_kw = _replay(args, spaces)
     else:
-        if args.shape is None and getattr(args, "seqlens", None) is None:
-            raise UsageError("search needs --shape B,H,S,D, --seqlens for --kind varlen "
-                             "(or --replay FILE)")
-        workload = _workload(args)
+        try:  # each kind names its workload by its own flags (--shape, --decode, ...)
+            workload = _workload(args)
+        except ValueError as e:
+            raise UsageError(f"search needs a workload: {e} (or --replay FILE)") from None
         arch = get_arch(args.arch) if args.arch else None
         _refuse_unserved(spaces, workload, arch)
         _cuda_or_fail("search")

@@ -2,9 +2,10 @@
 
 ``export_best`` writes a Python module that needs only torch and cupy: the launcher
 (``evoengine/launch/``, its modules joined verbatim), and for each rank-1 elite of the target,
-forward or backward, its rendered CUDA source, its cubin for that target, their sha256, its
-parameters, its kind and the workload it won, plus a dispatch table over them (one per kind:
-the backward's serves the autograd formula of the module's ``attention``). ``load`` builds
+forward, backward or decode, its rendered CUDA source, its cubin for that target, their
+sha256, its parameters, its kind and the workload it won, plus a dispatch table over them (one
+per kind: the backward's serves the autograd formula of the module's ``attention``, decode's
+its ``attention_decode``). ``load`` builds
 the same callable straight from the store. Compiling needs no GPU, so a module for any
 target can be exported anywhere.
 """
@@ -82,8 +83,8 @@ def _workload_of(elite: EliteRecord, run: RunRecord | None) -> Any:
         raise ExportError(f"elite {elite.identity}: cannot tell its workload ({e})") from None
 
 
-# The problem kinds an exported module dispatches: the forward, and the backward that its
-# autograd formula launches.
+# The problem kinds an exported module dispatches: the forward, the backward that its
+# autograd formula launches, and decode (its attention_decode).
 EXPORTED_KINDS = KINDS
 
 
@@ -316,7 +317,8 @@ def load(store: str | os.PathLike[str] | None = DEFAULT_STORE, arch: Arch | str 
                           provenance=prov)
 
 
-_KIND_WORDS = {"bwd": "backward ", "varlen": "varlen "}  # how a summary names each kind
+# how a summary names each kind
+_KIND_WORDS = {"bwd": "backward ", "varlen": "varlen ", "decode": "decode "}
 
 
 @dataclass(frozen=True)
@@ -381,6 +383,8 @@ def _header(specs: list[dict[str, Any]], entries: list[Entry], prov: dict[str, A
         "    register_transformers()       # attn_implementation='evoengine' in Transformers",
         "    out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,",
         "                           max_seqlen_k, causal=True)  # packed [total, H, D], if tuned",
+        "    out = attention_decode(q, k_cache, v_cache, cache_seqlens, block_table=None)",
+        "                                  # decode kernels, where the module has them",
         "",
         "Needs torch and cupy only. Each kernel's cubin for the target is embedded, so the first",
         "call does not compile; on another GPU its CUDA source (also embedded) is compiled",
@@ -405,6 +409,9 @@ def _header(specs: list[dict[str, Any]], entries: list[Entry], prov: dict[str, A
               *(_dispatch_lines(specs, entries, "bwd") or ["  none"]),
               "Ragged batches (attention_varlen; lengths are the workload's longest):",
               *(_dispatch_lines(specs, entries, "varlen") or ["  none"])]
+    decode = _dispatch_lines(specs, entries, "decode")
+    if decode:  # sq: q_len, sk: cache length (nearest cache length, then batch)
+        lines += ["Decode (sq: q_len, sk: cache length):", *decode]
     return "\n".join(lines)
 
 
@@ -456,9 +463,11 @@ def render_module(specs: list[dict[str, Any]], entries: list[Entry],
         f"                           namespace={namespace!r}, provenance=PROVENANCE)",
         "attention_varlen = attention.varlen",
         "register_transformers = attention.register_transformers",
+        "# decode over a KV cache: the entries of kind decode (evoengine/launch/decode.py)",
+        "attention_decode = TunedDecode(attention.kernels, DISPATCH)",
         "",
         '__all__ = ["DISPATCH", "PROVENANCE", "IntegrityError", "NoKernelError", "attention",',
-        '           "attention_varlen", "register_transformers"]',
+        '           "attention_varlen", "attention_decode", "register_transformers"]',
         "",
     ]
     return "\n".join(parts)

@@ -14,6 +14,13 @@ alone) and dQ, dK, dV poisoned, each gradient must be finite and within
 ``ERR_FACTOR x (the error of torch SDPA's own backward in the same dtype) + a floor`` of a
 float64 reference (the floor: GRAD_FLOOR, or one ulp of the dtype at the reference's largest
 magnitude); dQ of rows that see no key must be exactly zero.
+
+The decode criterion (``check_decode``) is the forward's on a KV cache: ragged per-sequence
+lengths (0, fewer than q_len, none a multiple of a tile or a page), pages dealt to the
+sequences in a shuffled order, every position past a sequence's length (and every page it
+does not reach) NaN and the block-table entries past it -1, output and log-sum-exp poisoned;
+the float64 reference groups query heads by key/value head (``decode_reference``), the
+baseline is SDPA per sequence in the same dtype (``launch.decode.sdpa_decode``).
 """
 
 from __future__ import annotations
@@ -517,6 +524,201 @@ def check_varlen_workload(fn: VarlenFn, workload: Any, *,
         if not verdict.ok:
             return Verdict(False, verdict.max_err, verdict.tolerance,
                            f"{verdict.reason}, {len(seqlens)} sequences H{heads}/{kv_heads}")
+        if verdict.max_err >= worst.max_err:
+            worst = verdict
+    return worst
+
+
+# ---- decode over a KV cache -----------------------------------------------------------------
+
+DecodeFn = Callable[..., "torch.Tensor"]
+DECODE_RAGGED_LENGTH = 1531  # prime: the ragged shape's longest cache, no multiple of a tile
+
+
+def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, *,
+                     causal: bool = True,
+                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention and its log-sum-exp in float64, one sequence at a time, query heads
+    grouped by key/value head (no repeated K/V): out [B, q_len, H, D], lse [B, q_len, H]
+    (-inf and a zero output where a query sees no key). Causal bottom-right: query i sees
+    the first ``cache_len - q_len + i + 1`` keys."""
+    import torch
+
+    from evoengine.launch.decode import gather_cache
+
+    b_, q_len, heads, d = q.shape
+    kv = k_cache.shape[2]
+    group = heads // kv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros((b_, q_len, heads, d), dtype=torch.float64, device=q.device)
+    lse = torch.full((b_, q_len, heads), float("-inf"), dtype=torch.float64, device=q.device)
+    for b, length in enumerate(cache_seqlens.tolist()):
+        if length <= 0:
+            continue
+        k = gather_cache(k_cache, block_table, b, length).double().permute(1, 2, 0)  # [KV, D, L]
+        v = gather_cache(v_cache, block_table, b, length).double().transpose(0, 1)  # [KV, L, D]
+        rows = q[b].double().reshape(q_len, kv, group, d).permute(1, 0, 2, 3)
+        s = torch.matmul(rows.reshape(kv, q_len * group, d), k) * scale
+        if causal:
+            token = torch.arange(q_len, device=q.device).repeat_interleave(group)
+            seen_keys = torch.arange(length, device=q.device)[None, :]
+            s.masked_fill_(seen_keys >= (length - q_len + token + 1)[:, None], float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        seen = torch.isfinite(m)
+        p = torch.exp(s - torch.where(seen, m, torch.zeros_like(m)))
+        denom = p.sum(dim=-1, keepdim=True)
+        o = torch.where(seen, torch.matmul(p, v) / torch.where(seen, denom, 1.0), 0.0)
+        row_lse = torch.where(seen, m + torch.log(denom), float("-inf")).squeeze(-1)
+        out[b] = o.reshape(kv, q_len, group, d).permute(1, 0, 2, 3).reshape(q_len, heads, d)
+        lse[b] = row_lse.reshape(kv, q_len, group).permute(1, 0, 2).reshape(q_len, heads)
+    return out, lse
+
+
+def decode_cache(batch: int, lengths: list[int], capacity: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, *, paged: bool, page_size: int,
+                 gen: torch.Generator | None = None, device: str = "cuda",
+                 poison: bool = True,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(k_cache, v_cache, cache_seqlens, block_table) of random keys and values.
+
+    Contiguous: [batch, capacity, kv_heads, D]. Paged: [num_pages, page_size, kv_heads, D]
+    with ``capacity / page_size`` pages per sequence plus a few spare ones, dealt to the
+    sequences in a random order (``block_table``). ``poison``: every position past a
+    sequence's length (and every page it does not reach) is NaN, and the block-table
+    entries past its length are -1, so a kernel that reads past ``cache_seqlens`` fails."""
+    import torch
+
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    if not paged:
+        k = torch.randn((batch, capacity, kv_heads, head_dim), generator=gen, device=device,
+                        dtype=torch.float32).to(dtype)
+        v = torch.randn(k.shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        if poison:
+            for b, length in enumerate(lengths):
+                k[b, length:] = float("nan")
+                v[b, length:] = float("nan")
+        return k, v, lens, None
+    if capacity % page_size:
+        raise ValueError(f"capacity {capacity} must be a multiple of page_size {page_size}")
+    per_seq = capacity // page_size
+    num_pages = batch * per_seq + 3
+    order = torch.randperm(num_pages, generator=gen, device=device)
+    table = order[: batch * per_seq].reshape(batch, per_seq).to(torch.int32)
+    k = torch.randn((num_pages, page_size, kv_heads, head_dim), generator=gen, device=device,
+                    dtype=torch.float32).to(dtype)
+    v = torch.randn(k.shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    if poison:
+        keep = torch.zeros((num_pages, page_size), dtype=torch.bool, device=device)
+        for b, length in enumerate(lengths):
+            used = -(-length // page_size)
+            flat = keep[table[b, :used].long()].reshape(-1)
+            flat[:length] = True
+            keep[table[b, :used].long()] = flat.reshape(used, page_size)
+            table[b, used:] = -1
+        k[~keep] = float("nan")
+        v[~keep] = float("nan")
+    return k, v, lens, table
+
+
+def check_decode(fn: DecodeFn, *, lengths: list[int], capacity: int, q_len: int, heads: int,
+                 kv_heads: int, head_dim: int, dtype: torch.dtype, paged: bool,
+                 page_size: int, causal: bool = True, scale: float | None = None,
+                 seed: int | None = None, device: str = "cuda") -> Verdict:
+    """Run ``fn(q, k_cache, v_cache, cache_seqlens, block_table, causal=, scale=, out=,
+    lse=)`` once on fresh random inputs (``decode_cache``: pages shuffled, everything past a
+    sequence's length NaN; out and lse poisoned with NaN) and judge it as ``judge`` does
+    against ``decode_reference``, the baseline being SDPA per sequence in the same dtype
+    (``sdpa_decode``); lse is [B, H, q_len], natural log."""
+    import torch
+
+    from evoengine.launch.decode import sdpa_decode
+
+    gen = torch.Generator(device=device)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    gen.manual_seed(seed)
+    batch = len(lengths)
+    q = torch.randn((batch, q_len, heads, head_dim), generator=gen, device=device,
+                    dtype=torch.float32).to(dtype)
+    k, v, lens, table = decode_cache(batch, lengths, capacity, kv_heads, head_dim, dtype,
+                                     paged=paged, page_size=page_size, gen=gen, device=device)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, heads, q_len), float("nan"), device=device, dtype=torch.float32)
+    fn(q, k, v, lens, table, causal=causal, scale=scale, out=out, lse=lse)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    ref, ref_lse = decode_reference(q, k, v, lens, table, causal=causal, scale=scale)
+    baseline = sdpa_decode(q, k, v, lens, table, causal=causal, scale=scale)
+    verdict = judge(out, ref, baseline, lse.transpose(1, 2), ref_lse)
+    if not verdict.ok:
+        return Verdict(False, verdict.max_err, verdict.tolerance, f"{verdict.reason} (seed {seed})")
+    return verdict
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    """One shape the decode criterion is applied on."""
+
+    lengths: tuple[int, ...]
+    capacity: int
+    heads: int
+    kv_heads: int
+
+
+def decode_plan(workload: Any) -> list[DecodeCase]:
+    """The shapes a decode candidate must pass for ``workload`` (a
+    ``problems.decode.DecodeWorkload``: that module imports this one) before it is timed.
+
+    1. Ragged: four sequences of lengths 0, fewer than q_len (queries that see no key), an
+       odd middle length and the longest, at most ``DECODE_RAGGED_LENGTH`` (prime: no
+       multiple of a tile or a page), two key/value heads with the workload's group.
+    2. The workload's own cache length, full and less a prime, with batch and then kv heads
+       cut until the float64 scores fit ``MAX_REFERENCE_SCORES``.
+    """
+    w = workload
+    group = w.q_heads // w.kv_heads
+    longest = min(w.cache_len, DECODE_RAGGED_LENGTH)
+    few = max(1, w.q_len - 1) if w.q_len > 1 else 1
+    lengths = (0, min(few, longest), max(1, longest // 2) | 1, longest)
+    cases = [DecodeCase(lengths, _capacity(longest, w), 2 * group, 2)]
+    batch, kv = w.batch, w.kv_heads
+    while batch * kv * group * w.q_len * w.cache_len > MAX_REFERENCE_SCORES and batch > 1:
+        batch = (batch + 1) // 2
+    while batch * kv * group * w.q_len * w.cache_len > MAX_REFERENCE_SCORES and kv > 1:
+        kv = (kv + 1) // 2
+    own = tuple(w.cache_len if i % 2 == 0 else max(1, w.cache_len - 37) for i in range(batch))
+    if own != lengths:
+        cases.append(DecodeCase(own, _capacity(w.cache_len, w), kv * group, kv))
+    return cases
+
+
+def _capacity(length: int, workload: Any) -> int:
+    """Capacity for sequences up to ``length`` keys: whole pages when paged."""
+    if workload.layout != "paged":
+        return length
+    return -(-length // workload.page_size) * workload.page_size
+
+
+def check_decode_workload(fn: DecodeFn, workload: Any, *,
+                          scale: float | None = None, device: str = "cuda") -> Verdict:
+    """The decode criterion on every case of ``decode_plan(workload)``, each on fresh inputs:
+    the first failure, or a pass carrying the largest error seen."""
+    from evoengine.launch import KERNEL_DTYPES
+
+    dtype = KERNEL_DTYPES[workload.dtype]
+    worst = Verdict(True, 0.0, 0.0)
+    for case in decode_plan(workload):
+        verdict = check_decode(fn, lengths=list(case.lengths), capacity=case.capacity,
+                               q_len=workload.q_len, heads=case.heads, kv_heads=case.kv_heads,
+                               head_dim=workload.head_dim, dtype=dtype,
+                               paged=workload.layout == "paged",
+                               page_size=workload.page_size, scale=scale, device=device)
+        if not verdict.ok:
+            where = (f"lengths {list(case.lengths)[:4]}{'...' if len(case.lengths) > 4 else ''}"
+                     f" H{case.heads}/{case.kv_heads} q_len {workload.q_len}")
+            return Verdict(False, verdict.max_err, verdict.tolerance,
+                           f"{verdict.reason} at {where}")
         if verdict.max_err >= worst.max_err:
             worst = verdict
     return worst

@@ -52,7 +52,7 @@ def test_compile_check_json(tmp_path: Path) -> None:
     assert doc["summary"]["candidates"] == 4
     assert doc["summary"]["compiled"] == 4
     families = {c["family"] for c in doc["candidates"]}
-    assert families == {"mma", "wmma", "mma_bwd"}  # every family of every kind on sm_89
+    assert families == {"mma", "wmma", "mma_bwd", "decode"}  # every family of every kind, sm_89
     for c in doc["candidates"]:
         assert c["ok"] and c["registers"] > 0 and c["smem_bytes"] <= 99 * 1024
 
@@ -371,4 +371,14 @@ def test_search_refuses_a_head_dim_no_template_serves_before_asking_for_a_gpu(
     # CUDA_VISIBLE_DEVICES="" hides any GPU: the refusal must come first all the same.
     done = run("search", "--shape", "2,8,256,72", *arch, env={"CUDA_VISIBLE_DEVICES": ""})
     one_line(done, "no search space admits b2-h8-kv8-sq256-sk256-d72", "HEAD_DIM % 16 == 0")
+    assert "needs a CUDA GPU" not in done.stderr
+
+
+def test_search_names_a_decode_workload_by_its_own_flags() -> None:
+    done = run("search", "--kind", "decode", "--decode", "1,1,32,8,128",
+               env={"CUDA_VISIBLE_DEVICES": ""})
+    one_line(done, "search needs a workload", "--cache-len")
+    done = run("search", "--kind", "decode", "--decode", "1,1,32,8,72", "--cache-len", "4096",
+               env={"CUDA_VISIBLE_DEVICES": ""})
+    one_line(done, "no search space admits decode-b1-q1-h32-kv8-d72-c4096-paged64-fp16")
     assert "needs a CUDA GPU" not in done.stderr

@@ -98,7 +98,8 @@ def test_launcher_modules_join_into_one_namespace() -> None:
     namespace: dict[str, object] = {}
     exec(compile(sa.module_text(), "launcher", "exec"), namespace)
     assert isinstance(namespace["TunedAttention"], type)
-    assert set(namespace["KERNEL_CLASSES"]) == set(sa.KINDS) == {"fwd", "bwd", "varlen"}
+    assert set(namespace["KERNEL_CLASSES"]) == set(sa.KINDS) == {"fwd", "bwd", "varlen",
+                                                                  "decode"}
 
 
 @pytest.mark.parametrize(("cubin", "device", "runs"), [
@@ -359,9 +360,9 @@ def test_backward_spec_builds_the_backward_launcher() -> None:
     assert (k.main.threads, k.main.smem_bytes, k.pre.threads) == (256, 40960, sa.PRE_THREADS)
     assert k.main.cubin == k.pre.cubin == b"\x7fELF cubin bytes"
     assert isinstance(kernel_from_spec(spec(), "sm_90a"), CudaKernel)  # no kind: a forward
-    with pytest.raises(ValueError, match="kernel mma-x is of kind 'decode'; this launcher "
-                                         "knows fwd, bwd"):
-        kernel_from_spec(spec(kind="decode"), "sm_90a")
+    with pytest.raises(ValueError, match="kernel mma-x is of kind 'prefill'; this launcher "
+                                         "knows fwd, bwd, varlen, decode"):
+        kernel_from_spec(spec(kind="prefill"), "sm_90a")
 
 
 def test_backward_entries_form_a_second_table() -> None:

@@ -561,9 +561,10 @@ def test_backward_spaces_stay_out_of_the_forward_default() -> None:
     backward = [s for s in everything if s.kind == "bwd"]
     assert [s.family for s in backward] == ["mma_bwd", "wgmma_bwd"]
     assert all(s.kind == "fwd" for s in default_spaces())
-    assert {s.family for s in default_spaces()} | {"mma_bwd", "wgmma_bwd"} == \
+    assert {s.family for s in default_spaces()} | {"mma_bwd", "wgmma_bwd", "decode"} == \
         {s.family for s in everything}
     assert [s.family for s in default_spaces("bwd")] == ["mma_bwd", "wgmma_bwd"]
+    assert [s.family for s in default_spaces("decode")] == ["decode"]
 
 
 def test_kind_defaults_to_forward(tmp_path: Path) -> None:

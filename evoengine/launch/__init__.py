@@ -16,6 +16,8 @@ when the modules are joined into one namespace, so top-level names must not coll
 - ``varlen``: ``CudaVarlenKernel``, the forward on ragged batches (packed q, k, v with
   cu_seqlens), its input checks and its SDPA fallback;
 - ``backward``: ``CudaBackward``, the backward's three kernels (their ABI);
+- ``decode``: ``CudaDecode``, decode over a contiguous or paged KV cache (its two kernels'
+  ABI, the input and value checks), and ``TunedDecode``, the exported ``attention_decode``;
 - ``dispatch``: what an export carries (packed cubins, hashes), the kernel class of each
   problem kind, the dispatch table;
 - ``explain``: which dispatch entry serves a call (tuned, or derived at export), in words;
@@ -64,6 +66,14 @@ from evoengine.launch.core import (
     sdpa_attention_grads,
     softmax_scale,
 )
+from evoengine.launch.decode import (
+    DECODE_ENTRIES,
+    CudaDecode,
+    TunedDecode,
+    check_decode_inputs,
+    check_decode_values,
+    sdpa_decode,
+)
 from evoengine.launch.dispatch import (
     KERNEL_CLASSES,
     KINDS,
@@ -84,12 +94,14 @@ from evoengine.launch.tuned import TunedAttention
 
 # The modules an exported module carries, in the order they are joined (each after those it
 # imports from).
-MODULES = ("core", "tma", "forward", "varlen", "backward", "dispatch", "explain",
+MODULES = ("core", "tma", "forward", "varlen", "backward", "decode", "dispatch", "explain",
            "transformers", "tuned")
 PACKAGE = __name__
 
 __all__ = [
-    "BACKWARD_ENTRIES", "BWD_MAIN_ARGS", "BWD_POST_ARGS", "BWD_PRE_ARGS", "DTYPE_NAMES",
+    "BACKWARD_ENTRIES", "BWD_MAIN_ARGS", "BWD_POST_ARGS", "BWD_PRE_ARGS", "DECODE_ENTRIES",
+    "DTYPE_NAMES", "CudaDecode", "TunedDecode", "check_decode_inputs", "check_decode_values",
+    "sdpa_decode",
     "FALLBACKS", "KERNEL_CLASSES", "KERNEL_DTYPES", "KERNEL_NAME", "KINDS", "LOG2E", "MIN_SM",
     "MODULES", "NVRTC_OPTIONS", "POST_THREADS", "PRE_ROWS", "PRE_THREADS", "TMA_FAMILIES",
     "CudaBackward", "CudaKernel", "Entry", "Explanation", "IntegrityError", "NoKernelError",

@@ -15,6 +15,7 @@ from typing import Any
 
 from evoengine.launch.backward import CudaBackward
 from evoengine.launch.core import IntegrityError
+from evoengine.launch.decode import CudaDecode
 from evoengine.launch.forward import CudaKernel
 from evoengine.launch.varlen import CudaVarlenKernel
 
@@ -35,7 +36,7 @@ def sha256(data: str | bytes) -> str:
 # The kernel class of each problem kind a module can carry: each builds itself from a spec
 # (``from_spec``). A new kind of kernel adds its class here.
 KERNEL_CLASSES: dict[str, Any] = {cls.kind: cls for cls in (CudaKernel, CudaBackward,
-                                                             CudaVarlenKernel)}
+                                                             CudaVarlenKernel, CudaDecode)}
 KINDS = tuple(KERNEL_CLASSES)  # the problems a module carries kernels for
 
 
@@ -78,7 +79,9 @@ class Entry:
     heads: int
     median_us: float | None = None
     workload: str = ""
-    kind: str = "fwd"  # which problem the kernel solves: "fwd" or "bwd" (KINDS)
+    # Which problem the kernel solves (KINDS). A decode entry's seq_q, seq_k and heads are
+    # the q_len, cache length and query heads it was tuned at (TunedDecode dispatches them).
+    kind: str = "fwd"
     # False: no search ran for this (dtype, causal); the export compiled the kernel tuned at
     # ``derived_from`` (a workload key) for it, so that every call of its head dim has one.
     tuned: bool = True

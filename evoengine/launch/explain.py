@@ -17,6 +17,9 @@ from torch import Tensor
 from evoengine.launch.core import DTYPE_NAMES
 from evoengine.launch.dispatch import KINDS, Entry
 
+# The kinds attention's calls dispatch on; decode calls are attention_decode's (TunedDecode).
+EXPLAINED_KINDS = tuple(k for k in KINDS if k != "decode")
+
 
 @dataclass(frozen=True)
 class Explanation:
@@ -59,8 +62,8 @@ class Explanation:
 def explain_call(tuned: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
                  kind: str = "fwd") -> Explanation:
     """``TunedAttention.explain``: the entry of ``kind`` that ``tuned`` picks for the call."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind not in EXPLAINED_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(EXPLAINED_KINDS)}, got {kind!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D torch.Tensor [batch, heads, seq, "

@@ -1,0 +1,466 @@
+"""Decode over a KV cache: a few new query tokens per sequence against a contiguous or paged
+cache of per-sequence length (the ``decode`` problem kind; kernels of ``templates/decode``).
+
+Layouts, as FlashAttention's ``flash_attn_with_kvcache`` and vLLM take them: q
+[batch, q_len, q_heads, D] (q_len 1..16); a contiguous cache k, v [batch, max_len, kv_heads, D]
+or a paged one [num_pages, page_size, kv_heads, D] with an int32 ``block_table``
+[batch, max_pages] (page j of sequence b is ``block_table[b, j]``; pages anywhere in memory);
+int32 ``cache_seqlens`` [batch], each sequence's length including the new tokens. Causal is
+aligned bottom-right: query i of q_len sees the first ``cache_len - q_len + i + 1`` keys.
+
+Kernel ABI (two entries of one cubin, launched in order on torch's current stream):
+
+- ``attn_decode(Q, K, V, O, LSE, O_part, LSE_part, seqlens, block_table, q_len, q_heads,
+  kv_group, row_chunks, causal, page_log2, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss,
+  v_sh, o_sb, o_ss, o_sh, bt_stride, scale_log2)`` on (splits, kv_heads * row_chunks, batch)
+  blocks: each takes ``block_m`` of one key/value head's q_len x group packed query rows and
+  one split of its cache. k_sb/v_sb are the page strides of a paged cache. With one split it
+  writes O (and LSE, natural log, float32 [B, H, q_len], when not null); with several, O_part
+  [splits, B, q_len, H, D] (normalised, fp32) and LSE_part [splits, B, q_len, H] (log2);
+- ``attn_decode_combine(O_part, LSE_part, O, LSE, batch, q_len, q_heads, splits, o_sb, o_ss,
+  o_sh)`` on ceil(B * q_len * H * D / 4 / 256) blocks of 256 threads: merges the parts.
+
+Value checks (``check=True``, the default): cache lengths within [0, capacity] and the block
+table entries that a sequence's length reaches within [0, num_pages) are checked on the
+device with one small reduction and one ``.item()`` (a host sync, some microseconds);
+``check=False`` skips it (the shapes, dtypes and devices are always checked). Entries past a
+sequence's length are never read and not checked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from evoengine.launch.core import (
+    DTYPE_NAMES,
+    FALLBACKS,
+    KERNEL_DTYPES,
+    LOG2E,
+    MAX_GRID_YZ,
+    NoKernelError,
+    ParamBuffer,
+    launch_in_context,
+    raw_stream,
+    sdpa_attention,
+    sm_count,
+    softmax_scale,
+)
+from evoengine.launch.forward import CudaKernel
+
+DECODE_ENTRIES = ("attn_decode", "attn_decode_combine")
+DECODE_MAIN_ARGS = ParamBuffer("Q" * 9 + "i" * 6 + "q" * 13 + "f")
+DECODE_COMBINE_ARGS = ParamBuffer("QQQQ" + "iiii" + "qqq")
+DECODE_COMBINE_THREADS = 256  # the template's cfg::DECODE_COMBINE_THREADS
+MAX_DECODE_Q_LEN = 16
+MAX_DECODE_SPLITS = 256  # parts are fp32 [splits, B, q_len, H, D]: bounded memory
+SPLIT_POLICIES = ("waves", "fixed")
+
+
+class DecodeShape(NamedTuple):
+    """The shapes of one decode call, read off the tensors."""
+
+    batch: int
+    q_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    paged: bool
+    page_size: int  # 0 for a contiguous cache
+    capacity: int  # the most keys a sequence can have: max_len, or max_pages * page_size
+    num_pages: int  # 0 for a contiguous cache
+
+
+def _decode_aligned(name: str, t: Tensor) -> None:
+    strides = t.stride()
+    if strides[-1] != 1 or any(s % 8 for s in strides[:-1]) or t.data_ptr() % 16:
+        raise ValueError(f"{name} must have a contiguous last dim, strides a multiple of 8 "
+                         f"and a 16-byte aligned start, got strides {strides}")
+
+
+def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                        block_table: Tensor | None = None, *, head_dim: int | None = None,
+                        dtype: str | None = None, paged: bool | None = None) -> DecodeShape:
+    """Reject what the decode kernels cannot take, in one line naming what was expected, and
+    return the shapes. Looks at shapes, dtypes, strides and, last, devices (no sync)."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("cache_seqlens", cache_seqlens)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if block_table is not None and not isinstance(block_table, Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor or None, got "
+                        f"{type(block_table).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D [batch, q_len, q_heads, head_dim], got {tuple(q.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4:
+            what = "num_pages, page_size" if block_table is not None else "batch, max_len"
+            raise ValueError(f"{name} must be 4-D [{what}, kv_heads, head_dim], "
+                             f"got {tuple(t.shape)}")
+    if q.dtype not in DTYPE_NAMES:
+        raise ValueError(f"q must be float16 or bfloat16, got {q.dtype}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
+    if dtype is not None and q.dtype != KERNEL_DTYPES[dtype]:
+        raise ValueError(f"this kernel takes {dtype}, got {q.dtype}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    batch, q_len, q_heads, d = q.shape
+    rows, per_row, kv_heads, kd = k_cache.shape
+    if q.numel() == 0 or k_cache.numel() == 0:
+        raise ValueError(f"q and the cache must not be empty, got {tuple(q.shape)} and "
+                         f"{tuple(k_cache.shape)}")
+    if q_len > MAX_DECODE_Q_LEN:
+        raise ValueError(f"q_len must be at most {MAX_DECODE_Q_LEN} for decode, got {q_len}: for "
+                         "longer prefill chunks use the forward attention (evoengine's "
+                         "attention or SDPA) over the cache")
+    if kd != d:
+        raise ValueError(f"the cache's head_dim must be q's ({d}), got {kd}")
+    if head_dim is not None and d != head_dim:
+        raise ValueError(f"this kernel takes head_dim {head_dim}, got {d}")
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of kv heads ({kv_heads})")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _decode_aligned(name, t)
+    if (cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,)
+            or not cache_seqlens.is_contiguous()):
+        raise ValueError(f"cache_seqlens must be a contiguous int32 [{batch}], got "
+                         f"{tuple(cache_seqlens.shape)} {cache_seqlens.dtype}")
+    if block_table is None:
+        if paged:
+            raise ValueError("this kernel reads a paged cache: pass block_table")
+        if rows != batch:
+            raise ValueError(f"a contiguous cache must be [{batch}, max_len, kv_heads, {d}], "
+                             f"got {tuple(k_cache.shape)} (pass block_table for a paged one)")
+        shape = DecodeShape(batch, q_len, q_heads, kv_heads, d, False, 0, per_row, 0)
+    else:
+        if paged is False:
+            raise ValueError("this kernel reads a contiguous cache: pass block_table=None")
+        if (block_table.dtype != torch.int32 or block_table.dim() != 2
+                or block_table.shape[0] != batch or block_table.shape[1] == 0
+                or block_table.stride(1) != 1):
+            raise ValueError(f"block_table must be int32 [{batch}, max_pages] with a contiguous "
+                             f"last dim, got {tuple(block_table.shape)} {block_table.dtype}")
+        if per_row & (per_row - 1):
+            raise ValueError(f"page_size (k_cache.shape[1]) must be a power of 2, got {per_row}")
+        shape = DecodeShape(batch, q_len, q_heads, kv_heads, d, True, per_row,
+                            block_table.shape[1] * per_row, rows)
+    if kv_heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
+        raise ValueError(f"batch and kv heads must be at most {MAX_GRID_YZ}, got {batch}, "
+                         f"{kv_heads}")
+    tensors = [q, k_cache, v_cache, cache_seqlens] + ([block_table] if block_table is not None
+                                                      else [])
+    if not q.is_cuda or any(t.device != q.device for t in tensors):
+        raise ValueError("q, k_cache, v_cache, cache_seqlens and block_table must be on one "
+                         f"CUDA device, got {', '.join(str(t.device) for t in tensors)}")
+    return shape
+
+
+def check_decode_values(shape: DecodeShape, cache_seqlens: Tensor,
+                        block_table: Tensor | None) -> None:
+    """Cache lengths in [0, capacity] and every block-table entry a sequence reaches in
+    [0, num_pages): one reduction on the device and one ``.item()`` (a host sync)."""
+    lens = cache_seqlens
+    bad = ((lens < 0) | (lens > shape.capacity)).any().to(torch.int32)
+    if block_table is not None:
+        used = torch.arange(block_table.shape[1], device=lens.device)[None, :] < (
+            (lens.clamp(min=0) + shape.page_size - 1) // shape.page_size)[:, None]
+        out = ((block_table < 0) | (block_table >= shape.num_pages)) & used
+        bad = bad + 2 * out.any().to(torch.int32)
+    code = int(bad.item())
+    if code & 1:
+        what = (f"max_pages x page_size = {shape.capacity}" if shape.paged
+                else f"max_len = {shape.capacity}")
+        raise ValueError(f"cache_seqlens must lie in [0, {what}], got "
+                         f"min {int(lens.min())}, max {int(lens.max())}")
+    if code & 2:
+        raise ValueError(f"block_table entries within a sequence's length must lie in "
+                         f"[0, num_pages = {shape.num_pages})")
+
+
+def check_decode_out(name: str, t: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+                     device: torch.device, contiguous: bool = False) -> None:
+    if t is None:
+        return
+    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{name} must be {list(shape)} {dtype} on {device}, got "
+                         f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if not contiguous:
+        _decode_aligned(name, t)
+
+
+def decode_splits(policy: str, splits: int, *, units: int, tiles: int, slots: int) -> int:
+    """How many splits of the cache a call gets. ``fixed``: ``splits``. ``waves``: as many
+    as fit ``splits`` whole waves of the GPU's ``slots`` (SMs x blocks resident per SM) when
+    each split is ``units`` blocks (batch x kv heads x row chunks), at least one: a partial
+    last wave of a memory-bound kernel leaves SMs idle while it streams. Capped at one
+    split per tile of the capacity and at MAX_DECODE_SPLITS."""
+    if policy == "fixed":
+        n = splits
+    elif policy == "waves":
+        n = splits * slots // max(1, units)
+    else:
+        raise ValueError(f"split policy must be one of {SPLIT_POLICIES}, got {policy!r}")
+    return max(1, min(n, tiles, MAX_DECODE_SPLITS))
+
+
+def resident_blocks(fn: int, threads: int, smem_bytes: int, index: int) -> int:
+    """Blocks of a kernel that one SM of device ``index`` holds at once (the driver's
+    occupancy calculator; from shared memory alone where cupy lacks it)."""
+    from cupy.cuda import driver, runtime
+
+    try:
+        return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn, threads,
+                                                                           smem_bytes)))
+    except AttributeError:
+        per_sm = runtime.deviceGetAttribute(
+            runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, index)
+        return max(1, per_sm // max(1, smem_bytes + 1024))  # 1 KB the runtime keeps per block
+
+
+class CudaDecode:
+    """One decode kernel (two entries of one cubin or source):
+    ``kernel(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True) -> out``.
+
+    Loads on first use per device. ``launch`` is the unchecked hot path."""
+
+    kind = "decode"  # the problem it solves (dispatch.KERNEL_CLASSES)
+    causal = True  # as dispatch entries key kernels; causal or not is a launch argument
+
+    def __init__(self, name: str, *, head_dim: int, dtype: str, paged: bool, block_m: int,
+                 block_n: int, threads: int, smem_bytes: int, split_policy: str, splits: int,
+                 arch: str | None = None, cubin: bytes | None = None,
+                 source: str | None = None, defines: Mapping[str, int] | None = None) -> None:
+        if split_policy not in SPLIT_POLICIES:
+            raise ValueError(f"kernel {name}: split_policy must be one of {SPLIT_POLICIES}, "
+                             f"got {split_policy!r}")
+        common: dict[str, Any] = dict(head_dim=head_dim, dtype=dtype, causal=True,
+                                      block_m=block_m, arch=arch, cubin=cubin, source=source,
+                                      defines=defines)
+        main, combine = DECODE_ENTRIES
+        self.main = CudaKernel(name, threads=threads, smem_bytes=smem_bytes, entry=main,
+                               **common)
+        self.combine = CudaKernel(f"{name}:{combine}", threads=DECODE_COMBINE_THREADS, smem_bytes=0,
+                                  entry=combine, **common)
+        self.name, self.arch, self.cubin, self.source = name, arch, cubin, source
+        self.head_dim, self.dtype, self.paged = int(head_dim), dtype, bool(paged)
+        self.block_m, self.block_n = int(block_m), int(block_n)
+        self.split_policy, self.splits = split_policy, int(splits)
+        self._slots: dict[int, int] = {}  # per device: SMs x blocks resident per SM
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any], arch: str | None, *, cubin: bytes | None,
+                  source: str | None) -> CudaDecode:
+        """The kernel an export's spec describes (``dispatch.kernel_from_spec``)."""
+        problem, params = spec["problem"], spec["params"]
+        return cls(spec["name"], head_dim=problem["HEAD_DIM"], dtype=problem["DTYPE"],
+                   paged=problem["PAGED"], block_m=spec["block_m"], block_n=params["BLOCK_N"],
+                   threads=spec["threads"], smem_bytes=spec["smem_bytes"],
+                   split_policy=params["SPLIT_POLICY"], splits=params["SPLITS"], arch=arch,
+                   cubin=cubin, source=source, defines=spec.get("defines"))
+
+    def __repr__(self) -> str:
+        return f"CudaDecode({self.name!r})"
+
+    def load(self, index: int) -> None:
+        """Load both entries on CUDA device ``index`` (once each); ``NoKernelError`` where
+        they cannot run."""
+        loaded = self.main.load(index)
+        self.combine.load(index)
+        if index not in self._slots:
+            self._slots[index] = sm_count(index) * resident_blocks(
+                loaded.fn, self.main.threads, self.main.smem_bytes, index)
+
+    def plan(self, shape: DecodeShape, index: int) -> tuple[int, int]:
+        """(row chunks, splits) of a call: the grid's second and first dimensions' factors."""
+        rows = shape.q_len * (shape.q_heads // shape.kv_heads)
+        chunks = -(-rows // self.block_m)
+        if shape.kv_heads * chunks > MAX_GRID_YZ:
+            raise ValueError(f"kv heads x row chunks must be at most {MAX_GRID_YZ}")
+        if index not in self._slots:
+            self.load(index)
+        splits = decode_splits(self.split_policy, self.splits,
+                               units=shape.batch * shape.kv_heads * chunks,
+                               tiles=-(-shape.capacity // self.block_n),
+                               slots=self._slots[index])
+        return chunks, splits
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                 block_table: Tensor | None = None, *, causal: bool = True,
+                 scale: float | None = None, out: Tensor | None = None,
+                 lse: Tensor | None = None, check: bool = True) -> Tensor:
+        """Attention of q over each sequence's cache, written into ``out`` where given (any
+        strides, contiguous last dim); ``lse``: natural-log float32 [B, H, q_len]."""
+        shape = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table,
+                                    head_dim=self.head_dim, dtype=self.dtype, paged=self.paged)
+        if check:
+            check_decode_values(shape, cache_seqlens, block_table)
+        scale = softmax_scale(scale, shape.head_dim)
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        check_decode_out("out", out, tuple(q.shape), q.dtype, q.device)
+        check_decode_out("lse", lse, (shape.batch, shape.q_heads, shape.q_len), torch.float32,
+                         q.device, contiguous=True)
+        self.launch(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, shape,
+                    causal=bool(causal), scale=scale)
+        return out
+
+    def launch(self, q: Tensor, k: Tensor, v: Tensor, seqlens: Tensor,
+               block_table: Tensor | None, out: Tensor, lse: Tensor | None, shape: DecodeShape,
+               *, causal: bool, scale: float) -> None:
+        """Launch on torch's current stream, without checks (inputs already validated)."""
+        index = q.get_device()
+        main, combine = self.main.load(index), self.combine.load(index)
+        if index not in self._slots:
+            self.load(index)
+        stream = raw_stream(index)
+        chunks, splits = self.plan(shape, index)
+        b, q_len, h, d = q.shape
+        part = lse_part = None
+        if splits > 1:
+            # From torch's stream-ordered allocator: dropped after the launches are enqueued,
+            # the memory goes only to work ordered after them on this stream.
+            part = torch.empty((splits, b, q_len, h, d), dtype=torch.float32, device=q.device)
+            lse_part = torch.empty((splits, b, q_len, h), dtype=torch.float32, device=q.device)
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        page_log2 = shape.page_size.bit_length() - 1 if shape.paged else 0
+        args = DECODE_MAIN_ARGS.pack(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), ptr(lse), ptr(part),
+            ptr(lse_part), seqlens.data_ptr(), ptr(block_table), q_len, h,
+            h // shape.kv_heads, chunks, int(causal), page_log2, q.stride(0), q.stride(1),
+            q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            0 if block_table is None else block_table.stride(0), scale * LOG2E)
+        launch_in_context(main, (main.fn, splits, shape.kv_heads * chunks, b,
+                                  self.main.threads, 1, 1, self.main.smem_bytes, stream,
+                                  ctypes.addressof(args[1]), 0))
+        if splits > 1:
+            cargs = DECODE_COMBINE_ARGS.pack(part.data_ptr(), lse_part.data_ptr(),  # type: ignore[union-attr]
+                                             out.data_ptr(), ptr(lse), b, q_len, h, splits,
+                                             out.stride(0), out.stride(1), out.stride(2))
+            threads = b * q_len * h * (d // 4)
+            launch_in_context(combine, (combine.fn, -(-threads // DECODE_COMBINE_THREADS), 1, 1,
+                                         DECODE_COMBINE_THREADS, 1, 1, 0, stream,
+                                         ctypes.addressof(cargs[1]), 0))
+        del part, lse_part  # only now: both launches have read their addresses
+
+
+# ---- dispatch over tuned decode kernels -----------------------------------------------------
+
+def nearest_decode(entries: Iterable[Any], cache_len: int, batch: int) -> Any:
+    """The dispatch entry (``dispatch.Entry`` of kind ``decode``: ``seq_k`` the cache length
+    it was tuned at) nearest the call: closest cache length in log scale, then closest batch
+    (log scale); ties go to the entry listed first."""
+    def distance(e: Any) -> tuple[float, float]:
+        return (abs(math.log(max(1, cache_len) / e.seq_k)), abs(math.log(batch / e.batch)))
+    return min(entries, key=distance)
+
+
+class TunedDecode:
+    """``attention_decode(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True,
+    scale=None, fallback=None)`` over a table of tuned decode kernels: the one tuned for the
+    call's (dtype, head_dim, layout) nearest its cache capacity and batch. ``entries`` are the
+    module's dispatch entries; those of kind ``decode`` are its table (``seq_q``, ``seq_k``,
+    ``heads``: the q_len, cache length and query heads tuned for)."""
+
+    def __init__(self, kernels: list[Any], entries: Iterable[Any]) -> None:
+        self.kernels = list(kernels)
+        self.entries = tuple(e for e in entries if e.kind == CudaDecode.kind)
+        self.table: dict[tuple[str, int, bool], list[Any]] = {}
+        for e in self.entries:
+            k = self.kernels[e.kernel]
+            if not isinstance(k, CudaDecode) or (k.dtype, k.head_dim) != (e.dtype, e.head_dim):
+                raise ValueError(f"decode entry {e.workload} names kernel "
+                                 f"{getattr(k, 'name', k)}, which is compiled for another "
+                                 "problem")
+            self.table.setdefault((e.dtype, e.head_dim, k.paged), []).append(e)
+
+    def __repr__(self) -> str:
+        keys = ", ".join(f"{d} head_dim {h} {'paged' if p else 'contiguous'}"
+                         for d, h, p in self.table)
+        return f"<tuned decode: {len(self.entries)} entries for {keys or 'nothing'}>"
+
+    def select(self, dtype: str, head_dim: int, paged: bool, cache_len: int,
+               batch: int) -> Any:
+        """The entry for a call, or None where no kernel has its (dtype, head_dim, layout).
+        Pure Python: no GPU needed."""
+        group = self.table.get((dtype, head_dim, paged))
+        return None if group is None else nearest_decode(group, cache_len, batch)
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                 block_table: Tensor | None = None, causal: bool = True,
+                 scale: float | None = None, fallback: str | None = None, *,
+                 check: bool = True) -> Tensor:
+        """Decode attention (module docstring); [batch, q_len, q_heads, D], contiguous.
+        ``fallback='sdpa'`` runs ``sdpa_decode`` where no tuned kernel fits."""
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be None or 'sdpa', got {fallback!r}")
+        shape = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
+        if check:
+            check_decode_values(shape, cache_seqlens, block_table)
+        entry = self.select(DTYPE_NAMES[q.dtype], shape.head_dim, shape.paged, shape.capacity,
+                            shape.batch)
+        kernel = None if entry is None else self.kernels[entry.kernel]
+        if kernel is not None:
+            try:
+                kernel.load(q.get_device())
+            except NoKernelError:
+                if fallback is None:
+                    raise
+                kernel = None
+        if kernel is None:
+            if fallback is None:
+                have = "; ".join(f"{d} head_dim {h} {'paged' if p else 'contiguous'}"
+                                 for d, h, p in self.table) or "none"
+                raise NoKernelError(f"no tuned decode kernel for {q.dtype} head_dim "
+                                    f"{shape.head_dim} {'paged' if shape.paged else 'contiguous'}"
+                                    f"; this module has: {have}. Pass fallback='sdpa' to run "
+                                    "torch SDPA for such calls.")
+            return sdpa_decode(q, k_cache, v_cache, cache_seqlens, block_table, causal=causal,
+                               scale=scale)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        kernel.launch(q, k_cache, v_cache, cache_seqlens, block_table, out, None, shape,
+                      causal=bool(causal), scale=softmax_scale(scale, shape.head_dim))
+        return out
+
+
+def gather_cache(cache: Tensor, block_table: Tensor | None, b: int, length: int) -> Tensor:
+    """Sequence ``b``'s first ``length`` keys (or values) of a contiguous or paged cache, as
+    [length, kv_heads, D]."""
+    if block_table is None:
+        return cache[b, :length]
+    page = cache.shape[1]
+    pages = block_table[b, : -(-length // page)].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:length]
+
+
+def sdpa_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                block_table: Tensor | None = None, *, causal: bool = True,
+                scale: float | None = None) -> Tensor:
+    """Decode through torch SDPA, one sequence at a time (a reference and a fallback, not
+    fast): same semantics as the kernels; a sequence with no key outputs zeros."""
+    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    q_len = q.shape[1]
+    for b, length in enumerate(cache_seqlens.tolist()):
+        if length <= 0:
+            continue
+        k = gather_cache(k_cache, block_table, b, length).transpose(0, 1)[None]
+        v = gather_cache(v_cache, block_table, b, length).transpose(0, 1)[None]
+        qb = q[b].transpose(0, 1)[None]
+        if causal and q_len > length:  # queries that see no key stay zero
+            first = q_len - length
+            res = sdpa_attention(qb[:, :, first:], k, v, causal=True, scale=scale)
+            out[b, first:] = res[0].transpose(0, 1)
+        else:
+            res = sdpa_attention(qb, k, v, causal=causal, scale=scale)
+            out[b] = res[0].transpose(0, 1)
+    return out

@@ -1,0 +1,297 @@
+"""The decode problem without a GPU: its workload, key and flags, its search space and offline
+compilation for every target, the split policy, the launcher's input checks (on CPU
+tensors where the check does not need the device) and the float64 reference."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from evoengine import paths, validate
+from evoengine.arch import get_arch
+from evoengine.compile import compile_candidate
+from evoengine.launch.decode import (
+    MAX_DECODE_SPLITS,
+    check_decode_inputs,
+    decode_splits,
+    nearest_decode,
+    sdpa_decode,
+)
+from evoengine.launch.dispatch import Entry
+from evoengine.problems import problem, workload_from_dict, workload_from_key
+from evoengine.problems.decode import Decode, DecodeWorkload, bandwidth_fraction
+from evoengine.render import make_candidate, render
+from evoengine.space import SearchSpace
+
+SPACE = paths.SPACES / "decode.toml"
+
+
+def test_workload_key_round_trips() -> None:
+    paged = DecodeWorkload(8, 4, 32, 8, 128, 32768, layout="paged", page_size=64)
+    contig = DecodeWorkload(1, 1, 64, 8, 128, 4096, layout="contiguous", page_size=64)
+    assert paged.key() == "decode-b8-q4-h32-kv8-d128-c32768-paged64-fp16"
+    assert contig.key() == "decode-b1-q1-h64-kv8-d128-c4096-contig-fp16"
+    assert contig.page_size == 0  # a contiguous cache has no pages
+    for w in (paged, contig):
+        assert workload_from_key(w.key()) == w
+        assert workload_from_dict(w.to_dict()) == w
+    assert problem("decode").workload_from_key(paged.key()) == paged
+    assert paged.problem() == {"HEAD_DIM": 128, "DTYPE": "fp16", "PAGED": True}
+
+
+def test_workload_names_a_dispatch_entry() -> None:
+    """export builds a dispatch entry from a won workload's seq_q, seq_k, heads and causal."""
+    w = DecodeWorkload(8, 4, 32, 8, 128, 32768)
+    assert (w.seq_q, w.seq_k, w.heads, w.causal) == (4, 32768, 32, True)
+
+
+def test_launcher_carries_the_decode_kind() -> None:
+    from evoengine.launch import MODULES, module_text
+    from evoengine.launch.dispatch import KERNEL_CLASSES
+
+    assert MODULES.index("decode") < MODULES.index("dispatch")
+    assert KERNEL_CLASSES["decode"].__name__ == "CudaDecode"
+    text = module_text()
+    assert "class CudaDecode" in text and "class TunedDecode" in text
+    compile(text, "launcher", "exec")  # one namespace: it parses
+
+
+def test_workload_counts() -> None:
+    w = DecodeWorkload(2, 4, 32, 8, 128, 100)
+    assert w.visible_pairs() == 97 + 98 + 99 + 100  # query i sees 100 - 4 + i + 1 keys
+    assert w.flops() == 4.0 * 2 * 32 * w.visible_pairs() * 128
+    assert w.kv_bytes() == 2 * 2 * 2 * 100 * 8 * 128
+    assert w.capacity == 128  # whole pages of 64
+    assert bandwidth_fraction(w, 10.0, 20.0) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(q_len=17), "q_len must be at most 16"),
+    (dict(q_heads=30), "multiple of kv heads"),
+    (dict(page_size=48), "power of 2"),
+    (dict(layout="ring"), "layout must be one of"),
+    (dict(cache_len=0), "cache_len must be a positive integer"),
+])
+def test_workload_rejects(bad: dict, match: str) -> None:
+    args = dict(batch=1, q_len=1, q_heads=32, kv_heads=8, head_dim=128, cache_len=64)
+    with pytest.raises(ValueError, match=match):
+        DecodeWorkload(**{**args, **bad})
+
+
+def test_flags_name_a_workload() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="fp16")  # the forward's flag, shared
+    Decode().add_arguments(parser)
+    args = parser.parse_args(["--decode", "8,4,64,8,128", "--cache-len", "32768",
+                              "--layout", "contiguous", "--dtype", "bf16"])
+    w = Decode().workload_from_arguments(args)
+    assert w.key() == "decode-b8-q4-h64-kv8-d128-c32768-contig-bf16"
+    with pytest.raises(ValueError, match="--cache-len"):
+        Decode().workload_from_arguments(parser.parse_args(["--decode", "1,1,8,8,64"]))
+    with pytest.raises(ValueError, match="five integers"):
+        Decode().workload_from_arguments(parser.parse_args(["--decode", "1,1,8",
+                                                            "--cache-len", "9"]))
+
+
+def test_cli_knows_the_kind() -> None:
+    from evoengine.cli import build_parser
+
+    args = build_parser().parse_args(["search", "--kind", "decode", "--decode", "1,1,32,8,128",
+                                      "--cache-len", "4096"])
+    assert problem(args.kind).workload_from_arguments(args).cache_len == 4096
+
+
+def test_points_from_before_l2_prefetch_complete() -> None:
+    """The probe's points (benchmarks/results/2026-11-24-h100-decode-probe.json) predate
+    L2_PREFETCH: they complete to the kernel they measured."""
+    space = SearchSpace.load(SPACE)
+    old = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
+               SPLIT_POLICY="waves", SPLITS=1)
+    assert space.complete(old)["L2_PREFETCH"] == 0
+
+
+def test_space_is_of_kind_decode() -> None:
+    space = SearchSpace.load(SPACE)
+    assert space.kind == "decode" and space.family == "decode"
+    arch = get_arch("sm_90a")
+    admitted = space.admitted({"HEAD_DIM": 128, "DTYPE": "fp16", "PAGED": True}, arch)
+    assert admitted
+    bad = dict(admitted[0], BLOCK_N=32, NUM_WARPS=8)  # 4 keys a warp: not a k16 step
+    assert any("k16 steps of keys" in why for why in
+               space.violations(bad, {"HEAD_DIM": 128, "DTYPE": "fp16", "PAGED": True}, arch))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_compiles_offline_without_spills(arch: str, paged: bool) -> None:
+    space = SearchSpace.load(SPACE)
+    target = get_arch(arch)
+    for head_dim, dtype, params in [
+        (128, "fp16", dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=2, VEC_BYTES=16,
+                           L2_PREFETCH=256, SPLIT_POLICY="waves", SPLITS=1)),
+        (64, "bf16", dict(BLOCK_N=32, BLOCK_M=32, NUM_WARPS=2, STAGES=3, VEC_BYTES=8,
+                          L2_PREFETCH=128, SPLIT_POLICY="fixed", SPLITS=8)),
+    ]:
+        problem_ = {"HEAD_DIM": head_dim, "DTYPE": dtype, "PAGED": paged}
+        cand = make_candidate(space, params, problem_, target)
+        source = render(cand)
+        assert "attn_decode_combine" in source and f"PAGED = {str(paged).lower()}" in source
+        result = compile_candidate(cand, target)
+        assert result.ok, result.error
+        assert result.spill_bytes == 0, f"{cand.identity} spills on {arch}"
+
+
+def test_split_policies() -> None:
+    # waves: whole waves of the GPU's slots; fixed: as asked; both capped by the tiles.
+    assert decode_splits("waves", 1, units=8, tiles=512, slots=132) == 16
+    assert decode_splits("waves", 2, units=8, tiles=512, slots=264) == 66
+    assert decode_splits("waves", 1, units=512, tiles=512, slots=132) == 1
+    assert decode_splits("waves", 4, units=1, tiles=10, slots=132) == 10
+    assert decode_splits("fixed", 8, units=1, tiles=3, slots=132) == 3
+    assert decode_splits("fixed", 10_000, units=1, tiles=10_000, slots=1) == MAX_DECODE_SPLITS
+    with pytest.raises(ValueError, match="split policy"):
+        decode_splits("auto", 1, units=1, tiles=1, slots=1)
+
+
+def test_nearest_entry_by_cache_then_batch() -> None:
+    entries = [Entry(0, "fp16", 128, True, 1, 4096, 8, 32, kind="decode"),
+               Entry(1, "fp16", 128, True, 1, 131072, 1, 32, kind="decode"),
+               Entry(2, "fp16", 128, True, 1, 131072, 64, 32, kind="decode")]
+    assert nearest_decode(entries, 3000, 1).kernel == 0
+    assert nearest_decode(entries, 100_000, 2).kernel == 1
+    assert nearest_decode(entries, 100_000, 32).kernel == 2
+
+
+def _tensors(**over: object) -> dict:
+    base = dict(q=torch.zeros(2, 1, 8, 64, dtype=torch.float16),
+                k=torch.zeros(10, 16, 2, 64, dtype=torch.float16),
+                v=torch.zeros(10, 16, 2, 64, dtype=torch.float16),
+                lens=torch.zeros(2, dtype=torch.int32),
+                table=torch.zeros(2, 4, dtype=torch.int32))
+    base.update(over)
+    return base
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(q=torch.zeros(2, 17, 8, 64, dtype=torch.float16)), "q_len must be at most 16.*forward"),
+    (dict(q=torch.zeros(2, 1, 8, 64)), "float16 or bfloat16"),
+    (dict(k=torch.zeros(10, 16, 2, 64, dtype=torch.bfloat16)), "share a dtype"),
+    (dict(lens=torch.zeros(2, dtype=torch.int64)), "cache_seqlens must be a contiguous int32"),
+    (dict(table=torch.zeros(2, 4, dtype=torch.int64)), "block_table must be int32"),
+    (dict(q=torch.zeros(2, 1, 7, 64, dtype=torch.float16)), "multiple of kv heads"),
+    (dict(k=torch.zeros(10, 16, 2, 32, dtype=torch.float16),
+          v=torch.zeros(10, 16, 2, 32, dtype=torch.float16)), "head_dim must be q's"),
+])
+def test_input_checks_name_what_was_expected(over: dict, match: str) -> None:
+    t = _tensors(**over)
+    with pytest.raises(ValueError, match=match):
+        check_decode_inputs(t["q"], t["k"], t["v"], t["lens"], t["table"])
+
+
+def test_input_checks_need_a_cuda_device() -> None:
+    t = _tensors()
+    with pytest.raises(ValueError, match="one CUDA device"):
+        check_decode_inputs(t["q"], t["k"], t["v"], t["lens"], t["table"])
+
+
+def test_reference_agrees_with_sdpa_on_cpu() -> None:
+    """The float64 reference and the SDPA baseline on a shuffled paged cache with ragged
+    lengths (0, queries that see no key), float32 on the CPU; NaN past each sequence never
+    reaches either."""
+    gen = torch.Generator().manual_seed(0)
+    for paged in (True, False):
+        lengths = [0, 3, 700, 131]
+        cap = 704 if paged else 700
+        k, v, lens, table = validate.decode_cache(4, lengths, cap, 2, 64, torch.float32,
+                                                  paged=paged, page_size=64, gen=gen,
+                                                  device="cpu")
+        assert torch.isnan(k).any()  # poisoned past each sequence
+        q = torch.randn(4, 4, 8, 64, generator=gen)
+        ref, lse = validate.decode_reference(q, k, v, lens, table)
+        base = sdpa_decode(q, k, v, lens, table)
+        assert torch.isfinite(ref).all() and torch.isfinite(base).all()
+        assert (base.double() - ref).abs().max() < 1e-5
+        # no key: the empty sequence, and query 0 of the length-3 one (3 - 4 + 0 + 1 = 0)
+        assert int(torch.isneginf(lse).sum()) == 4 * 8 + 8
+        assert bool((ref[0] == 0).all())
+        verdict = validate.judge(base, ref, base, lse=None, ref_lse=lse)
+        assert verdict.ok
+
+
+def test_plan_covers_ragged_and_own_length() -> None:
+    w = DecodeWorkload(64, 4, 64, 8, 128, 131072)
+    ragged, own = validate.decode_plan(w)
+    assert 0 in ragged.lengths and ragged.lengths[1] < w.q_len
+    assert ragged.capacity % 64 == 0 and ragged.heads == 2 * 8
+    assert max(own.lengths) == w.cache_len and len(set(own.lengths)) == 2
+    assert len(own.lengths) * own.heads * w.q_len * w.cache_len <= validate.MAX_REFERENCE_SCORES
+
+
+DECODE_POINT = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
+                    L2_PREFETCH=256, SPLIT_POLICY="waves", SPLITS=1)
+
+
+def decode_store(db: object, arch: str, workloads: list[DecodeWorkload]) -> None:
+    """A store whose decode elites are DECODE_POINT, one per workload (tests/gpu too)."""
+    from evoengine.store import Store
+
+    space = SearchSpace.load(SPACE)
+    target = get_arch(arch)
+    with Store(f"sqlite:///{db}") as store:
+        for w in workloads:
+            cand = make_candidate(space, DECODE_POINT, w.problem(), target)
+            if store.candidate(cand.identity) is None:
+                store.add_candidate(identity=cand.identity, family=cand.family,
+                                    template_hash=cand.template_hash, params=cand.params,
+                                    problem=cand.problem, source=render(cand))
+            run = store.start_run(arch=target.name, workload=w.to_dict(), workload_key=w.key(),
+                                  device="test", study="decode-test")
+            store.set_elites(arch=target.name, workload_key=w.key(),
+                             entries=[(cand.identity, 50.0)], run_id=run)
+
+
+def test_export_carries_attention_decode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from evoengine.export import export_best
+
+    workloads = [DecodeWorkload(8, 1, 32, 8, 128, 4096),
+                 DecodeWorkload(1, 1, 32, 8, 128, 131072)]
+    decode_store(tmp_path / "evo.db", "sm_90a", workloads)
+    done = export_best(str(tmp_path / "evo.db"), "sm_90a", output=tmp_path / "tuned.py")
+    text = done.path.read_text()
+    assert "attention_decode = TunedDecode(attention.kernels, DISPATCH)" in text
+    assert "Decode (sq: q_len, sk: cache length):" in text
+    entries = [line for line in text.splitlines() if line.startswith("    Entry(")]
+    assert len(entries) == 2 and all("kind='decode'" in e for e in entries)  # one per win
+    compile(text, "tuned.py", "exec")
+
+
+def test_tune_plans_decode_steps_of_a_model() -> None:
+    from evoengine.geometry import ModelGeometry
+
+    g = ModelGeometry(heads=32, head_dim=128, kv_heads=8, dtype="bf16", max_seq=131072)
+    calls = Decode().tune_workloads(g)
+    assert [(w.batch, w.cache_len) for w in calls] == [
+        (1, 4096), (8, 4096), (1, 32768), (8, 32768), (1, 131072), (8, 131072)]
+    assert all(w.q_len == 1 and w.paged and w.dtype == "bf16" and w.kv_heads == 8
+               for w in calls)
+    short = Decode().tune_workloads(ModelGeometry(heads=8, head_dim=64, max_seq=2048))
+    assert [w.cache_len for w in short] == [2048, 2048]
+
+
+def test_launcher_and_template_agree_on_the_combine_block() -> None:
+    """The launcher launches attn_decode_combine with DECODE_COMBINE_THREADS threads; the
+    template's __launch_bounds__ and row mapping take cfg::COMBINE_THREADS."""
+    import re
+
+    from evoengine.launch.decode import DECODE_COMBINE_THREADS, DECODE_ENTRIES
+
+    space = SearchSpace.load(SPACE)
+    cand = make_candidate(space, DECODE_POINT, {"HEAD_DIM": 64, "DTYPE": "fp16", "PAGED": True},
+                          get_arch("sm_90a"))
+    source = render(cand)
+    m = re.search(r"constexpr int COMBINE_THREADS = (\d+);", source)
+    assert m is not None and int(m.group(1)) == DECODE_COMBINE_THREADS
+    for entry in DECODE_ENTRIES:
+        assert 'extern "C" __global__ void __launch_bounds__' in source and f"\n{entry}(" in source
