@@ -33,7 +33,10 @@ from evoengine.space import default_spaces  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RETIME_POINTS = HERE / "wgmma_retime_points.json"
-RETIME_WORKLOADS = ("8,16,4096,128,causal", "2,32,8192,128,causal")
+# The re-time workloads whose points are candidates, by head dim (their causal ones first:
+# ragged prefill is causal in the workload; the points of the full ones follow).
+RETIME_WORKLOADS = {64: ("16,16,2048,64,causal", "16,16,2048,64"),
+                    128: ("8,16,4096,128,causal", "2,32,8192,128,causal")}
 MMA_POINTS = [
     dict(BLOCK_M=128, BLOCK_N=64, NUM_WARPS=8, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True,
          LAZY_RESCALE=True, MIN_BLOCKS=1, PIPELINE="split"),
@@ -62,7 +65,8 @@ def points(domain: Domain, limit: int | None) -> list[tuple[str, dict[str, Any]]
 
     if "wgmma" in domain.spaces:
         table = json.loads(RETIME_POINTS.read_text())["workloads"]
-        for text in RETIME_WORKLOADS:
+        head_dim = int(domain.workload.head_dim)
+        for text in RETIME_WORKLOADS.get(head_dim, RETIME_WORKLOADS[128]):
             for params in table.get(text, []):
                 add("wgmma", params)
     else:
@@ -143,12 +147,13 @@ def main() -> None:
                   else ", FA4 not timed"))
     print(summary)
     if args.json:
+        sources = RETIME_WORKLOADS.get(args.head_dim, RETIME_WORKLOADS[128])
         doc = header(device=info.name, driver=info.driver, torch=info.versions.get("torch"),
                      method=worker.problem.method() + f"; the {args.keep} fastest valid "
                      f"candidates re-timed {args.rounds} rounds interleaved with the anchors "
                      "(medians over rounds)",
                      versions=info.versions, summary=summary,
-                     candidates=f"{RETIME_POINTS.name} ({', '.join(RETIME_WORKLOADS)}), "
+                     candidates=f"{RETIME_POINTS.name} ({', '.join(sources)}), "
                                 "SCHEDULER expanded, compiled with VARLEN",
                      rows=[row])
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
