@@ -188,7 +188,7 @@ def main() -> None:
     args = ap.parse_args()
 
     points = json.loads(args.points.read_text())
-    spaces = default_spaces()
+    spaces = default_spaces(None)  # forward and backward families
     rows: list[dict[str, Any]] = []
     info = None
 
