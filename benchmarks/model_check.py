@@ -103,7 +103,7 @@ def main() -> None:
         tuned = (why.entry.tuned and why.entry.seq_q == length and why.entry.seq_k == length
                  and why.entry.batch == batch)
 
-        def ours(i: int) -> None:
+        def ours(i: int, sets: list = sets) -> None:
             attention(*sets[i][:3], causal=geo.causal)
 
         ours_s, cudnn_s = [], []
@@ -125,7 +125,7 @@ def main() -> None:
         print(f"{w.key():44} ours {ours_us:9.1f} us  cudnn {cudnn_us or 0:9.1f}  "
               f"x{row['vs_cudnn'] or 0:.3f}  {'ok' if verdict.ok else 'FAIL'}  "
               f"from {why.entry.workload}", flush=True)
-        del sets
+        sets.clear()
         torch.cuda.empty_cache()
     ratios = [r["vs_cudnn"] for r in rows if r.get("vs_cudnn")]
     geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
