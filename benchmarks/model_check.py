@@ -106,10 +106,14 @@ def main() -> None:
         def ours(i: int, sets: list = sets) -> None:
             attention(*sets[i][:3], causal=geo.causal)
 
+        # One timing mode for both, from the workload (as the search does): left to each
+        # contender's own eager time, a host-bound call of ours was once timed eagerly next to
+        # cuDNN's graph replay (b1-h32-kv8-sq385 at 9bc97cf).
+        graph = measure.graph_for(w)
         ours_s, cudnn_s = [], []
         for _ in range(args.rounds):
-            ours_s.append(measure.time_calls(ours, len(sets)).median_us)
-            t = measure.time_sdpa(w, sets, "cudnn")
+            ours_s.append(measure.time_calls(ours, len(sets), graph=graph).median_us)
+            t = measure.time_sdpa(w, sets, "cudnn", graph=graph)
             if t is not None:
                 cudnn_s.append(t.median_us)
         ours_us = statistics.median(ours_s)
