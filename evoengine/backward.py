@@ -11,6 +11,7 @@ from evoengine.arch import Arch
 from evoengine.compile import CompileResult, compile_candidate
 from evoengine.launch import BACKWARD_ENTRIES, CudaBackward
 from evoengine.render import Candidate
+from evoengine.runtime import compiled_cubin
 
 __all__ = ["BACKWARD_ENTRIES", "BACKWARD_FAMILIES", "BackwardKernel"]
 
@@ -25,15 +26,14 @@ class BackwardKernel(CudaBackward):
         if candidate.family not in BACKWARD_FAMILIES:
             raise ValueError(f"{candidate.identity} is not a backward family "
                              f"({', '.join(BACKWARD_FAMILIES)})")
-        if not compiled.ok or compiled.cubin is None:
-            raise ValueError(f"{candidate.identity} did not compile: {compiled.error}")
+        cubin = compiled_cubin(candidate, compiled)
         super().__init__(
             candidate.identity, head_dim=int(candidate.problem["HEAD_DIM"]),  # type: ignore[call-overload]
             dtype=str(candidate.problem["DTYPE"]), causal=bool(candidate.problem["CAUSAL"]),
             block_m=candidate.block_m, block_n=int(candidate.params["BLOCK_N"]),  # type: ignore[call-overload]
             threads=candidate.threads, smem_bytes=candidate.smem_bytes,
             dq_accum=str(candidate.params["DQ_ACCUM"]), arch=compiled.arch,
-            cubin=compiled.cubin)
+            cubin=cubin)
         self.candidate = candidate
         self.compiled = compiled
 

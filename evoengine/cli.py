@@ -486,6 +486,23 @@ def _store_option(parser: argparse.ArgumentParser, default: str, reads: bool) ->
                         + ("; must exist)" if reads else ")"))
 
 
+def _evaluation_options(parser: argparse.ArgumentParser) -> None:
+    """How a search evaluates (search and tune alike): seed, compilers, hang timeout, GPUs."""
+    parser.add_argument("--seed", type=non_negative_int, default=None)
+    parser.add_argument("--workers", type=positive_int, default=None,
+                        help="compiler processes (default: cores - 1)")
+    parser.add_argument("--eval-timeout", type=positive_duration, default=30.0,
+                        metavar="SECONDS",
+                        help="a candidate with no answer after this long is a hang "
+                        "(default 30s)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--device", type=non_negative_int, default=None,
+                       help="CUDA device index (default 0)")
+    where.add_argument("--gpus", type=gpu_list, metavar="I,J,...",
+                       help="one evaluator per listed GPU, fed by one compile pool and one "
+                       "sampler (e.g. --gpus 0,1); not with --device")
+
+
 def _workload_options(parser: argparse.ArgumentParser, when: str) -> None:
     """``--kind`` and the flags each problem kind names its workloads by (kinds that share
     flags share the function that declares them)."""
@@ -545,17 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--study", help="study name (default: derived from arch and workload)")
     s.add_argument("--sampler", choices=["evo", "nsga2", "tpe", "random"], default="evo",
                    help="strategy: evo (genetic, default), nsga2, tpe or random")
-    s.add_argument("--seed", type=non_negative_int, default=None)
-    s.add_argument("--workers", type=positive_int, default=None,
-                   help="compiler processes (default: cores - 1)")
-    s.add_argument("--eval-timeout", type=positive_duration, default=30.0, metavar="SECONDS",
-                   help="a candidate with no answer after this long is a hang (default 30s)")
-    where = s.add_mutually_exclusive_group()
-    where.add_argument("--device", type=non_negative_int, default=None,
-                       help="CUDA device index (default 0)")
-    where.add_argument("--gpus", type=gpu_list, metavar="I,J,...",
-                       help="one evaluator per listed GPU, fed by one compile pool and one "
-                       "sampler (e.g. --gpus 0,1); not with --device")
+    _evaluation_options(s)
     s.add_argument("--heartbeat", type=positive_int, default=60, metavar="SECONDS",
                    help="heartbeat of running trials; a worker silent for 3x this (killed, "
                    "host lost) has its trials failed and their points retried (default 60)")
@@ -605,16 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dry-run", action="store_true",
                    help="print the plan (workloads, studies, budget split) and stop")
     t.add_argument("--space", action="append", metavar="FILE", help="search-space file(s)")
-    t.add_argument("--seed", type=non_negative_int, default=None)
-    t.add_argument("--workers", type=positive_int, default=None,
-                   help="compiler processes (default: cores - 1)")
-    t.add_argument("--eval-timeout", type=positive_duration, default=30.0, metavar="SECONDS",
-                   help="a candidate with no answer after this long is a hang (default 30s)")
-    tw = t.add_mutually_exclusive_group()
-    tw.add_argument("--device", type=non_negative_int, default=None,
-                    help="CUDA device index (default 0)")
-    tw.add_argument("--gpus", type=gpu_list, metavar="I,J,...",
-                    help="one evaluator per listed GPU")
+    _evaluation_options(t)
     t.set_defaults(func=cmd_tune)
 
     r = sub.add_parser("record", help="write a recorded sweep from the store (for --replay)",

@@ -11,6 +11,7 @@ from evoengine.arch import Arch
 from evoengine.compile import CompileResult, compile_candidate
 from evoengine.launch.decode import CudaDecode
 from evoengine.render import Candidate
+from evoengine.runtime import compiled_cubin
 
 __all__ = ["DECODE_FAMILIES", "DecodeKernel"]
 
@@ -25,8 +26,7 @@ class DecodeKernel(CudaDecode):
         if candidate.family not in DECODE_FAMILIES:
             raise ValueError(f"{candidate.identity} is not a decode family "
                              f"({', '.join(DECODE_FAMILIES)})")
-        if not compiled.ok or compiled.cubin is None:
-            raise ValueError(f"{candidate.identity} did not compile: {compiled.error}")
+        cubin = compiled_cubin(candidate, compiled)
         params = candidate.params
         super().__init__(
             candidate.identity, head_dim=int(candidate.problem["HEAD_DIM"]),  # type: ignore[call-overload]
@@ -34,7 +34,7 @@ class DecodeKernel(CudaDecode):
             block_m=candidate.block_m, block_n=int(params["BLOCK_N"]),  # type: ignore[call-overload]
             threads=candidate.threads, smem_bytes=candidate.smem_bytes,
             split_policy=str(params["SPLIT_POLICY"]), splits=int(params["SPLITS"]),  # type: ignore[call-overload]
-            arch=compiled.arch, cubin=compiled.cubin)
+            arch=compiled.arch, cubin=cubin)
         self.candidate = candidate
         self.compiled = compiled
 

@@ -14,7 +14,7 @@ from evoengine.launch.varlen import CudaVarlenKernel
 from evoengine.render import Candidate
 
 __all__ = ["LOG2E", "Kernel", "NoGPUError", "Problem", "VarlenKernel", "check_inputs",
-           "gpu_arch"]
+           "compiled_cubin", "gpu_arch"]
 
 
 class NoGPUError(RuntimeError):
@@ -32,16 +32,23 @@ def gpu_arch() -> Arch:
     return arch_of_capability(*torch.cuda.get_device_capability())
 
 
-def _kernel_args(candidate: Candidate, compiled: CompileResult) -> dict:
-    """What the launcher's kernel classes take, for a compiled candidate."""
+def compiled_cubin(candidate: Candidate, compiled: CompileResult) -> bytes:
+    """The candidate's cubin; ``ValueError`` with the compiler's error where there is none.
+    Every launcher built from a candidate (forward, varlen, backward, decode) starts here."""
     if not compiled.ok or compiled.cubin is None:
         raise ValueError(f"{candidate.identity} did not compile: {compiled.error}")
+    return compiled.cubin
+
+
+def _kernel_args(candidate: Candidate, compiled: CompileResult) -> dict:
+    """What the launcher's kernel classes take, for a compiled candidate."""
+    cubin = compiled_cubin(candidate, compiled)
     return dict(
         head_dim=int(candidate.problem["HEAD_DIM"]),  # type: ignore[call-overload]
         dtype=str(candidate.problem["DTYPE"]),
         causal=bool(candidate.problem["CAUSAL"]),
         block_m=candidate.block_m, threads=candidate.threads,
-        smem_bytes=candidate.smem_bytes, arch=compiled.arch, cubin=compiled.cubin,
+        smem_bytes=candidate.smem_bytes, arch=compiled.arch, cubin=cubin,
         tma=tma_params(candidate.family, candidate.params),  # wgmma: TMA tensor maps
     )
 
