@@ -211,9 +211,9 @@ def test_a_killed_worker_loses_and_duplicates_nothing(url: str, tmp_path: Path) 
     assert orphaned
     for p in survivors:
         finish(p)
-    # A trial the victim asked for but had not claimed yet holds no point, so no survivor
-    # waits for it; it goes stale after the grace period like the others, and the next
-    # worker to start (or one still running) fails it: do what it does.
+    # The survivors waited for the victim's trials to go stale (a trial it had asked for
+    # but not claimed yet included) and failed them. Fail any left, as the next worker to
+    # start would, so the study has no RUNNING trial.
     time.sleep(max(0.0, killed_at + 6 + 2 - time.monotonic()))
     storage = optuna.storages.RDBStorage(url, heartbeat_interval=2, grace_period=6)
     with Store(url) as store:
@@ -229,6 +229,36 @@ def test_a_killed_worker_loses_and_duplicates_nothing(url: str, tmp_path: Path) 
     released = sum(json.loads((tmp_path / f"worker{i}.json").read_text())["search"]
                    ["claims_released"] for i in (1, 2))
     assert released >= len(orphaned)
+
+
+def test_a_worker_killed_between_asking_and_claiming_loses_nothing(tmp_path: Path) -> None:
+    """A trial another worker asked for, holding its point, whose worker died before it
+    claimed the point: a survivor with nothing else fresh waits for the trial to go stale
+    and then measures the point, rather than stopping with the point unmeasured."""
+    from evoengine.search.domain import Domain
+
+    space = SearchSpace.load(space36(tmp_path))
+    url = f"sqlite:///{tmp_path / 'evo.db'}"
+    cfg = SearchConfig(workload=WORKLOAD, spaces=[space], arch=SM90, store=url, trials=4,
+                       seed=1, compile_workers=1, heartbeat_s=1, grace_s=3)
+    search(cfg, evaluator=DelayEvaluator(0.0), progress=Progress(1.0, quiet=True),
+           compile_fn=stub_compile)
+    domain = {i for i, _ in Domain([space], WORKLOAD, SM90).items()}
+    with Store(url) as store:
+        measured = store.measured_identities(arch=SM90.name, workload_key=WORKLOAD.key())
+        study_name = store.runs()[-1].study
+    orphan = sorted(domain - measured)[0]
+    storage = optuna.storages.RDBStorage(url, heartbeat_interval=1, grace_period=3)
+    dead = optuna.load_study(study_name=study_name, storage=storage).ask()
+    dead.set_user_attr("identity", orphan)  # asked, holding its point, never claimed
+    storage.record_heartbeat(dead._trial_id)
+    survivor = DelayEvaluator(0.0)
+    search(replace(cfg, trials=100), evaluator=survivor, progress=Progress(1.0, quiet=True),
+           compile_fn=stub_compile)
+    assert orphan in survivor.evaluated
+    with Store(url) as store:
+        assert store.measured_identities(arch=SM90.name, workload_key=WORKLOAD.key()) == domain
+    assert storage.get_trial(dead._trial_id).state == optuna.trial.TrialState.FAIL
 
 
 def _claims_of(url: str, owner: str) -> dict[str, Any]:

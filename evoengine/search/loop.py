@@ -377,8 +377,8 @@ class _Loop:
             self.inflight[future] = _Pending(trial, family, params, candidate, cached)
             self.started += 1
             return
-        if fresh_only and self.coord.others_hold_claims():
-            self.waiting = True  # other workers' points: measured soon, or released if dead
+        if fresh_only and (self.coord.others_hold_claims() or self._held_unclaimed()):
+            self.waiting = True  # other workers' points: measured soon, or freed if dead
             return
         self.exhausted = True
         self.stopped_because = self.stopped_because or (
@@ -408,6 +408,14 @@ class _Loop:
 
     def _in_flight(self) -> list[tuple[Any, str]]:
         return [(p.trial, p.candidate.identity) for p in self._pending()]
+
+    def _held_unclaimed(self) -> bool:
+        """Whether another worker's RUNNING trial holds a point it has not claimed yet: it
+        claims it in a moment, or, its worker killed between the two, the trial goes stale,
+        the reap fails it and the point is fresh again. Stopping here would lose it."""
+        mine = self.coord.mine()
+        return any(i not in self.coord.taken and i not in mine
+                   for i in self.study.running_identities())
 
     def _is_in_flight(self, identity: str) -> bool:
         return any(p.candidate.identity == identity for p in self._pending())

@@ -163,6 +163,11 @@ class SearchStudy:
         """Fail the study's RUNNING trials silent for longer than the grace period."""
         optuna.storages.fail_stale_trials(self.study)
 
+    def running_identities(self) -> set[str]:
+        """The identities held by the study's RUNNING trials, this worker's and others'."""
+        trials = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        return {str(t.user_attrs[IDENTITY_ATTR]) for t in trials if IDENTITY_ATTR in t.user_attrs}
+
     def finished(self, trial_id: int) -> bool:
         """Whether the trial has ended (``KeyError`` if its study was deleted)."""
         return self._storage.get_trial(trial_id).state.is_finished()
