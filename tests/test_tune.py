@@ -26,6 +26,7 @@ from evoengine import paths, tune
 from evoengine.cli import main
 from evoengine.compile import CompileResult
 from evoengine.geometry import ModelGeometry
+from evoengine.problems import PROBLEMS, problem
 from evoengine.problems.backward import Backward
 from evoengine.render import Candidate
 from evoengine.search import Progress, SearchConfig, SearchResult, Tally, search
@@ -94,6 +95,24 @@ def test_the_workloads_of_a_kind_are_what_its_problem_says(
                         lambda self, g: [self.workload_from_dict(g.prefill_calls()[-1])])
     tp = tune.plan(TINY, SM90, name="tiny", kinds=("bwd",))
     assert [p.workload.key() for p in tp.parts] == ["bwd-b16-h4-kv2-sq1024-sk1024-d64-causal-fp16"]
+
+
+@pytest.mark.parametrize("kind", sorted(PROBLEMS))
+def test_every_kind_plans_for_a_model(kind: str) -> None:
+    """Each registered kind names the calls a model makes of it, each a workload its
+    problem builds again from its own record (what the store keeps)."""
+    tp = tune.plan(TINY, SM90, name="tiny", kinds=(kind,))
+    assert tp.parts and {p.kind for p in tp.parts} == {kind}
+    solver = problem(kind)
+    for part in tp.parts:
+        w = part.workload
+        assert solver.workload_from_dict(w.to_dict()) == w
+        assert (w.heads, w.kv_heads, w.head_dim, w.dtype) == (
+            TINY.heads, TINY.kv_heads, TINY.head_dim, TINY.dtype)
+    if kind == "varlen":  # ragged: lengths differ within a call, up to the rung's length
+        rungs = [p.workload for p in tp.parts]
+        assert all(len({q for q, _ in w.seqlens}) > 1 for w in rungs)
+        assert all(w.max_seqlen_q <= s for w, s in zip(rungs, TINY.prefill_lengths()))
 
 
 def test_the_budget_splits_equally_or_by_flops() -> None:

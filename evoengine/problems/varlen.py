@@ -33,6 +33,7 @@ from evoengine.workload import DTYPES
 
 if TYPE_CHECKING:
     from evoengine.compile import CompileResult
+    from evoengine.geometry import ModelGeometry
     from evoengine.measure import Timing
     from evoengine.render import Candidate
     from evoengine.validate import Verdict
@@ -244,6 +245,20 @@ class Varlen(Problem):
 
     def workload_from_dict(self, data: Mapping[str, Any]) -> VarlenWorkload:
         return VarlenWorkload.from_dict(data)
+
+    def tune_workloads(self, geometry: ModelGeometry) -> list[VarlenWorkload]:
+        """A model's ragged prefills for ``evoengine tune``: per rung of the prefill ladder
+        (longest length ``s``, ``b`` sequences of it per call), twice as many sequences of
+        lengths drawn from ``[s/8, s]`` (``random:2b:s/8:s:0``: about the rung's tokens)."""
+        out = []
+        for call in geometry.prefill_calls():
+            s = int(call["seq_q"])
+            source = f"random:{max(2, 2 * int(call['batch']))}:{max(1, s // 8)}:{s}:0"
+            out.append(VarlenWorkload(parse_seqlens(source)[0], heads=geometry.heads,
+                                      kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+                                      causal=geometry.causal, dtype=geometry.dtype,
+                                      source=source))
+        return out
 
     def workload_from_key(self, key: str) -> VarlenWorkload:
         return VarlenWorkload.from_key(key)
