@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import datetime
 import hashlib
+import itertools
 import json
 import os
 import pprint
@@ -29,7 +30,6 @@ from evoengine._version import __version__
 from evoengine.arch import Arch, get_arch
 from evoengine.compile import compile_many, compile_source, nvrtc_version
 from evoengine.launch import (
-    KERNEL_DTYPES,
     KINDS,
     Entry,
     TunedAttention,
@@ -40,7 +40,7 @@ from evoengine.launch import (
     pack_cubin,
     sha256,
 )
-from evoengine.problems import workload_from_dict, workload_from_key
+from evoengine.problems import problem, workload_from_dict, workload_from_key
 from evoengine.provenance import git_commit
 from evoengine.render import Candidate, make_candidate, make_identity, render
 from evoengine.space import SearchSpace
@@ -214,57 +214,69 @@ def kernel_specs(found: list[Winner], arch: Arch,
                    for e in group]
 
 
-def _source_key(have: list[tuple[str, bool]], dtype: str, causal: bool) -> tuple[str, bool]:
-    """Of the tuned (dtype, causal) pairs, the one a missing pair is derived from: the same
-    masking first (tiles are chosen for it), then the same dtype."""
-    return min(have, key=lambda k: (k[1] != causal, k[0] != dtype))
+def _source_key(have: list[tuple[tuple[str, Any], ...]],
+                missing: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    """Of the tuned variants (``(dimension, value)`` pairs), the one a missing variant is
+    derived from: the fewest dimensions other than the dtype changed first (tiles are chosen
+    for the masking or the layout), then the same dtype."""
+    want = dict(missing)
+    return min(have, key=lambda v: (sum(val != want[d] for d, val in v if d != "DTYPE"),
+                                    dict(v)["DTYPE"] != want["DTYPE"]))
 
 
 def derived_entries(named: list[tuple[str, Entry]], kernels: dict[str, Candidate],
                     spaces: dict[str, SearchSpace],
                     arch: Arch) -> list[tuple[Candidate, Entry]]:
-    """For each (kind, head dim) the tuned entries hold, the (dtype, causal) pairs they
-    lack, each served by copies of the entries of the nearest tuned pair (``_source_key``):
-    the same lengths, with that entry's kernel compiled for the missing pair (its parameters
-    where admitted there, else the nearest admitted point: ``SearchSpace.nearest_admitted``).
-    Such entries say ``tuned=False`` and name the entry they came from (``derived_from``);
-    each comes with its kernel's candidate."""
+    """For each (kind, head dim) the tuned entries hold, the variants they lack (every value
+    of the kind's ``Problem.variants`` the family's space compiles: dtype and causal for the
+    prefill kinds, dtype and paged for decode), each served by copies of the entries of the
+    nearest tuned variant (``_source_key``): the same lengths, with that entry's kernel
+    compiled for the missing variant (its parameters where admitted there, else the nearest
+    admitted point: ``SearchSpace.nearest_admitted``). Such entries say ``tuned=False`` and
+    name the entry they came from (``derived_from``); each comes with its kernel's candidate."""
     out: list[tuple[Candidate, Entry]] = []
-    groups: dict[tuple[str, int], dict[tuple[str, bool], list[tuple[str, Entry]]]] = {}
+    groups: dict[tuple[str, int], dict[tuple[tuple[str, Any], ...], list[tuple[str, Entry]]]] = {}
+    domains: dict[tuple[str, int], dict[str, list[Any]]] = {}
     for name, e in named:
-        groups.setdefault((e.kind, e.head_dim), {}).setdefault((e.dtype, e.causal), []).append(
-            (name, e))
-    memo: dict[tuple[str, str, str, bool], Candidate | None] = {}
-    for (kind, _), by_key in groups.items():
-        have = list(by_key)
-        for dtype in KERNEL_DTYPES:
-            for causal in (False, True):
-                if (dtype, causal) in by_key:
+        dims = problem(e.kind).variants
+        cand = kernels[name]
+        space = spaces[cand.family]
+        values = tuple((d, cand.problem[d]) for d in dims)
+        groups.setdefault((e.kind, e.head_dim), {}).setdefault(values, []).append((name, e))
+        domain = domains.setdefault((e.kind, e.head_dim), {d: [] for d in dims})
+        for d in dims:  # every value some family of the kind compiles
+            domain[d].extend(v for v in space.problem[d] if v not in domain[d])
+    memo: dict[tuple[str, tuple[tuple[str, Any], ...]], Candidate | None] = {}
+    for (kind, head_dim), by_values in groups.items():
+        have = list(by_values)
+        dims = problem(kind).variants
+        for combo in itertools.product(*(domains[(kind, head_dim)][d] for d in dims)):
+            values = tuple(zip(dims, combo, strict=True))
+            if values in by_values:
+                continue
+            for name, src in by_values[_source_key(have, values)]:
+                if (name, values) not in memo:
+                    memo[(name, values)] = _derive(kernels[name], spaces, dict(values), arch)
+                cand = memo[(name, values)]
+                if cand is None:
                     continue
-                for name, src in by_key[_source_key(have, dtype, causal)]:
-                    key = (name, kind, dtype, causal)
-                    if key not in memo:
-                        memo[key] = _derive(kernels[name], spaces, dtype, causal, arch)
-                    cand = memo[key]
-                    if cand is None:
-                        continue
-                    wl = workload_from_key(src.workload) if src.workload else None
-                    there = (replace(wl, dtype=dtype, causal=causal).key()  # type: ignore[type-var]
-                             if wl is not None else "")
-                    out.append((cand, replace(
-                        src, dtype=dtype, causal=causal, median_us=None, workload=there,
-                        tuned=False, derived_from=src.workload)))
+                there = (problem(kind).variant(workload_from_key(src.workload), dict(values))
+                         .key() if src.workload else "")
+                out.append((cand, replace(
+                    src, dtype=cand.problem["DTYPE"],
+                    causal=bool(dict(values).get("CAUSAL", src.causal)), median_us=None,
+                    workload=there, tuned=False, derived_from=src.workload)))
     return out
 
 
-def _derive(source: Candidate, spaces: dict[str, SearchSpace], dtype: str, causal: bool,
+def _derive(source: Candidate, spaces: dict[str, SearchSpace], values: dict[str, Any],
             arch: Arch) -> Candidate | None:
     space = spaces[source.family]
-    problem = {**source.problem, "DTYPE": dtype, "CAUSAL": causal}
-    params = space.nearest_admitted(source.params, problem, arch)
+    compiled = {**source.problem, **values}
+    params = space.nearest_admitted(source.params, compiled, arch)
     if params is None:
         return None
-    return make_candidate(space, params, problem, arch)
+    return make_candidate(space, params, compiled, arch)
 
 
 def namespace_of(specs: list[dict[str, Any]], entries: list[Entry], prefix: str) -> str:

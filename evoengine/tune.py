@@ -136,7 +136,7 @@ def spaces_for(kind: str, files: Sequence[str] | None = None) -> list[SearchSpac
     """The spaces a tune searches for ``kind``: those named (of that kind), else the shipped
     ones."""
     if files:
-        return [s for s in (SearchSpace.load(f) for f in files) if s.kind == kind]
+        return [s for s in (SearchSpace.load(f) for f in files) if s.serves(kind)]
     return default_spaces(kind)
 
 

@@ -112,7 +112,7 @@ def test_every_kind_plans_for_a_model(kind: str) -> None:
     if kind == "varlen":  # ragged: lengths differ within a call, up to the rung's length
         rungs = [p.workload for p in tp.parts]
         assert all(len({q for q, _ in w.seqlens}) > 1 for w in rungs)
-        assert all(w.max_seqlen_q <= s for w, s in zip(rungs, TINY.prefill_lengths()))
+        assert all(w.max_seqlen_q <= s for w, s in zip(rungs, TINY.prefill_lengths(), strict=True))
 
 
 def test_the_budget_splits_equally_or_by_flops() -> None:
@@ -405,3 +405,26 @@ def test_mistakes_are_one_line(argv: list[str], says: str,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") <= 2
+
+
+def test_a_tune_of_the_serving_kinds_exports_them(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """varlen (served by the forward's mma space) and decode tune and export like fwd."""
+    monkeypatch.setenv("EVOENGINE_CACHE", str(tmp_path / "cache"))
+    spaces = [*MMA, str(paths.SPACES / "decode.toml")]
+    tp = tune.plan(replace(TINY, max_seq=512), SM90, name="serve", kinds=("varlen", "decode"),
+                   trials=3, spaces=spaces)
+    assert {p.kind for p in tp.parts} == {"varlen", "decode"}
+    result = tune.tune(tp, store=store_url(tmp_path), output=tmp_path / "serve.py",
+                       searcher=fake_search(), stream=io.StringIO(), spaces=spaces)
+    assert result.status == "done" and result.exported is not None
+    text = (tmp_path / "serve.py").read_text()
+    for part in tp.parts:
+        assert part.workload.key() in text
+    module = import_path(tmp_path / "serve.py", "serve_attention_under_test")
+    decode = module.attention_decode
+    assert set(decode.table) == {(d, 64, p) for d in ("fp16", "bf16") for p in (False, True)}
+    assert all(e.tuned for e in decode.table[("fp16", 64, True)])
+    assert not any(e.tuned for e in decode.table[("fp16", 64, False)])  # derived: contiguous
+    varlen = module.attention._tables["varlen"]
+    assert set(varlen) == {(d, 64, c) for d in ("fp16", "bf16") for c in (False, True)}

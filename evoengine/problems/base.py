@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import argparse
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -64,6 +65,10 @@ class Problem(abc.ABC):
     kind: ClassVar[str]
     summary: ClassVar[str]
     anchors: ClassVar[tuple[str, ...]] = ()  # what a kernel is timed next to, same process
+    # The compiled dimensions (of its families' ``[problem]``) whose every value a model's
+    # calls of this kind take besides the head dim: ``export --cover`` derives a kernel for
+    # each value a tune did not search (``variant``).
+    variants: ClassVar[tuple[str, ...]] = ("DTYPE", "CAUSAL")
 
     # ---- workloads -----------------------------------------------------------------------
 
@@ -79,6 +84,10 @@ class Problem(abc.ABC):
     @abc.abstractmethod
     def workload_from_key(self, key: str) -> Workload:
         """The workload ``key()`` names; ``ValueError`` if ``key`` is not one of this kind."""
+
+    def variant(self, workload: Any, values: Mapping[str, Any]) -> Workload:
+        """``workload`` with the compiled dimensions of ``values`` (names of ``variants``)."""
+        return dataclasses.replace(workload, dtype=values["DTYPE"], causal=values["CAUSAL"])
 
     def tune_workloads(self, geometry: ModelGeometry) -> list[Workload]:
         """The calls of this kind a model of ``geometry`` makes, for ``evoengine tune``

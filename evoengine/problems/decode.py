@@ -17,7 +17,7 @@ import inspect
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from evoengine.argtypes import positive_int
@@ -192,6 +192,14 @@ class Decode(Problem):
 
     def workload_from_key(self, key: str) -> DecodeWorkload:
         return DecodeWorkload.from_key(key)
+
+    # Decode is causal by definition; a model's server keeps its cache paged or contiguous.
+    variants = ("DTYPE", "PAGED")
+
+    def variant(self, workload: Any, values: Mapping[str, Any]) -> DecodeWorkload:
+        paged = bool(values["PAGED"])
+        return replace(workload, dtype=values["DTYPE"], layout="paged" if paged else "contiguous",
+                       page_size=(workload.page_size or 64) if paged else 0)
 
     def add_arguments(self, parser: argparse.ArgumentParser | Any) -> None:
         parser.add_argument("--decode", metavar="B,Q,H,KV,D", help="decode (--kind decode): "
