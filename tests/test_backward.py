@@ -193,6 +193,18 @@ def test_parameter_buffer_of_a_tma_kernel_matches_its_signature() -> None:
     assert len(params) == len(pack.offsets)
 
 
+def test_tma_operands_are_the_tensors_unless_a_map_cannot_describe_them() -> None:
+    """Views with 16-byte multiple strides (bshd storage seen as bhsd, size-1 dims with any
+    stride) go to the tensor map as they are; an expanded (stride-0) tensor as a copy."""
+    bshd = torch.zeros(2, 33, 8, 64, dtype=F16).transpose(1, 2)
+    assert launch.backward.tma_operand(bshd) is bshd
+    one = torch.zeros(1, 8, 1, 64, dtype=F16)
+    assert launch.backward.tma_operand(one) is one
+    expanded = torch.zeros(64, dtype=F16).expand(2, 8, 33, 64)
+    copy = launch.backward.tma_operand(expanded)
+    assert copy is not expanded and copy.is_contiguous() and torch.equal(copy, expanded)
+
+
 def test_a_rejected_point_says_why() -> None:
     sp = space()
     bad = sp.violations({**POINT, "BLOCK_N": 32}, PROBLEM, get_arch("sm_80"))
