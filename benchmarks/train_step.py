@@ -17,6 +17,15 @@ rounds, each timing in turn, interleaved, in this process:
 Rows carry ``direction`` (``bwd`` or ``step``), ``ours_us``, ``sdpa_flash_us``,
 ``sdpa_cudnn_us``, ``fa4_us`` (null where FA4 does not import) and same-run ratios; backward
 TFLOPS count 10*B*H*Sq*Sk*D (halved for causal), the step's 14*B*H*Sq*Sk*D.
+
+``--every-bwd`` times every valid backward point in each round (interleaved with the
+anchors), not only the fastest: the bwd row's ``bwd_points`` lists each point's median and
+its ratio to cuDNN, so twins that differ in one parameter compare in one run. ``--bwd-only``
+skips the forward points and the step rows. A quick A/B of two backward variants, e.g.:
+
+    python benchmarks/train_step.py --points benchmarks/train_step_points.json \
+        --workloads 8,16,4096,128 8,16,4096,128,causal 16,16,2048,64,causal --dtypes bf16 \
+        --rounds 1 --bwd-only --every-bwd --json out.json
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import contextlib
 import json
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +62,10 @@ def points_for(points: dict[str, Any], kind: str, text: str) -> list[tuple[str, 
 
 
 def best_valid(worker: Any, domain: Domain, pts: list[tuple[str, dict]], arch: Any,
-               invalid: list[dict]) -> tuple[Any, Any, float] | None:
-    """The fastest point that passes the criterion: (candidate, compiled, median us)."""
+               invalid: list[dict], valid: list[tuple] | None = None
+               ) -> tuple[Any, Any, float] | None:
+    """The fastest point that passes the criterion: (candidate, compiled, median us); each
+    point that passes is appended to ``valid`` where given."""
     cands = []
     for family, params in pts:
         space = domain.spaces.get(family)
@@ -72,8 +84,11 @@ def best_valid(worker: Any, domain: Domain, pts: list[tuple[str, dict]], arch: A
         r = worker.evaluate(cand, compiled)
         if not r["ok"]:
             invalid.append({"params": cand.params, "reason": r["reason"]})
-        elif best is None or r["median_us"] < best[2]:
-            best = (cand, compiled, r["median_us"])
+        else:
+            if valid is not None:
+                valid.append((cand, compiled, r["median_us"]))
+            if best is None or r["median_us"] < best[2]:
+                best = (cand, compiled, r["median_us"])
     return best
 
 
@@ -110,15 +125,20 @@ def step_anchor(anchor: str, w: Workload, sets: list[tuple], graph_cache: dict) 
         return None
 
 
-def interleaved(worker: Any, w: Workload, bw: BackwardWorkload, fwd: tuple, bwd: tuple,
-                rounds: int, dtype: str, text: str, invalid: list[dict]) -> list[dict[str, Any]]:
-    """The backward and the step rows of one workload: ``rounds`` interleaved rounds."""
+def interleaved(worker: Any, w: Workload, bw: BackwardWorkload, fwd: tuple | None, bwd: tuple,
+                rounds: int, dtype: str, text: str, invalid: list[dict],
+                others: Sequence[tuple] = ()) -> list[dict[str, Any]]:
+    """The backward and the step rows of one workload: ``rounds`` interleaved rounds; no step
+    row without a forward point. ``others``: more valid backward points, each timed in every
+    round too."""
     import torch
 
-    fkernel = problem("fwd").load(fwd[0], fwd[1])
+    fkernel = problem("fwd").load(fwd[0], fwd[1]) if fwd is not None else None
     bkernel = worker.problem.load(bwd[0], bwd[1])
     sets = worker.sets
     bwd_call = worker.problem.timed_call(bkernel, bw, sets)
+    other_calls = [(o, worker.problem.timed_call(worker.problem.load(o[0], o[1]), bw, sets))
+                   for o in others]
 
     def step_call(i: int) -> None:
         q, k, v, out, lse, dout, dq, dk, dv = sets[i]
@@ -127,15 +147,20 @@ def interleaved(worker: Any, w: Workload, bw: BackwardWorkload, fwd: tuple, bwd:
 
     rows: list[dict[str, Any]] = []
     samples: dict[str, dict[str, list[float]]] = {
-        d: {c: [] for c in ("ours", *ANCHORS)} for d in ("bwd", "step")}
+        d: {c: [] for c in ("ours", *ANCHORS)} for d in (("bwd", "step") if fkernel else ("bwd",))}
+    other_us: list[list[float]] = [[] for _ in other_calls]
     cache: dict[str, Any] = {}
     for _ in range(rounds):
         samples["bwd"]["ours"].append(
             measure.time_calls(bwd_call, len(sets), graph=False).median_us)
+        for (_, call), got in zip(other_calls, other_us, strict=True):
+            got.append(measure.time_calls(call, len(sets), graph=False).median_us)
         for a in ANCHORS:
             t = worker.problem.time_anchor(a, bw, sets, graph=False)
             if t is not None:
                 samples["bwd"][a].append(t.median_us)
+        if fkernel is None:
+            continue
         samples["step"]["ours"].append(
             measure.time_calls(step_call, len(sets), graph=False).median_us)
         for a in ANCHORS:
@@ -156,12 +181,23 @@ def interleaved(worker: Any, w: Workload, bw: BackwardWorkload, fwd: tuple, bwd:
             **{f"vs_{a}": (med[k] / ours if med[k] else None)
                for a, k in (("flash", "flash"), ("cudnn", "cudnn"), ("fa4", "fa4"))},
             "tflops": flops / ours / 1e6,
-            "forward": {"family": fwd[0].family, "params": fwd[0].params,
-                        "identity": fwd[0].identity},
+            "forward": ({"family": fwd[0].family, "params": fwd[0].params,
+                         "identity": fwd[0].identity} if fwd is not None else None),
             "backward": {"family": bwd[0].family, "params": bwd[0].params,
                          "identity": bwd[0].identity},
             "refused": invalid,
         }
+        if direction == "bwd" and other_calls:
+            timed = [(bwd, samples["bwd"]["ours"])] + [
+                (o, got) for (o, _), got in zip(other_calls, other_us, strict=True)]
+            row["bwd_points"] = [
+                {"family": c.family, "params": c.params, "identity": c.identity,
+                 "median_us": statistics.median(got),
+                 "vs_cudnn": (med["cudnn"] / statistics.median(got) if med["cudnn"] else None)}
+                for (c, _, _), got in timed]
+            for p in row["bwd_points"]:
+                print(f"{dtype} {text:22} bwd point {p['median_us']:8.1f} us  "
+                      f"x{p['vs_cudnn'] or 0:.3f} cudnn  {p['params']}", flush=True)
         rows.append(row)
         print(f"{dtype} {text:22} {direction:4} ours {ours:8.1f} us  "
               f"cudnn {med['cudnn'] or 0:8.1f} x{row['vs_cudnn'] or 0:.3f}  "
@@ -184,6 +220,10 @@ def main() -> None:
     ap.add_argument("--points", type=Path, required=True,
                     help='JSON {"fwd"|"bwd": {"B,H,S,D[,causal]"|"*": [{family, params}]}}')
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--every-bwd", action="store_true",
+                    help="time every valid backward point per round, not only the fastest")
+    ap.add_argument("--bwd-only", action="store_true",
+                    help="no forward point and no training-step rows: the backward alone")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -218,18 +258,22 @@ def main() -> None:
             info = fwd_worker.info
             arch = arch_of_capability(*info.capability)
             invalid: list[dict] = []
-            fwd = best_valid(fwd_worker, Domain(spaces, w, arch), points_for(points, "fwd", text),
-                             arch, invalid)
+            fwd = None if args.bwd_only else best_valid(
+                fwd_worker, Domain(spaces, w, arch), points_for(points, "fwd", text), arch,
+                invalid)
             del fwd_worker
             torch.cuda.empty_cache()
             worker = GpuWorker(bw, 0)
+            valid: list[tuple] = []
             bwd = best_valid(worker, Domain(spaces, bw, arch), points_for(points, "bwd", text),
-                             arch, invalid)
-            if fwd is None or bwd is None:
-                print(f"{dtype} {text}: no valid {'forward' if fwd is None else 'backward'} "
+                             arch, invalid, valid)
+            if (fwd is None and not args.bwd_only) or bwd is None:
+                print(f"{dtype} {text}: no valid {'backward' if bwd is None else 'forward'} "
                       f"point ({len(invalid)} refused)", flush=True)
                 continue
-            rows += interleaved(worker, w, bw, fwd, bwd, args.rounds, dtype, text, invalid)
+            others = [v for v in valid if v[0] is not bwd[0]] if args.every_bwd else []
+            rows += interleaved(worker, w, bw, fwd, bwd, args.rounds, dtype, text, invalid,
+                                others)
             write()
             del worker
             torch.cuda.empty_cache()

@@ -30,7 +30,11 @@ POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_AC
              KV_IN_REGS=False)
 PROBLEM = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True)
 WGMMA_POINT = dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
-                   DQ_REDUCE="bulk", REFILL="dq")
+                   DQ_REDUCE="bulk", REFILL="dq", LOADER="cp_async")
+# The ring loaded by a TMA producer warpgroup (FlashAttention-3's d128 tile).
+TMA_POINT = {**WGMMA_POINT, "SWIZZLE": 128, "DQ_REDUCE": "red", "REFILL": "top",
+             "LOADER": "tma"}
+TMA_PROBLEM = dict(HEAD_DIM=128, DTYPE="bf16", CAUSAL=True)
 POINTS = {"mma_bwd": (POINT, "sm_80"), "wgmma_bwd": (WGMMA_POINT, "sm_90a")}
 
 
@@ -116,8 +120,15 @@ def test_wgmma_bwd_space_targets_sm90a_and_says_why() -> None:
     assert any("start on a panel of K" in b for b in split)
     parts = sp.violations({**WGMMA_POINT, "DQ_ACCUM": "separate"}, PROBLEM, target)
     assert any("adds into the atomic accumulator" in b for b in parts)
-    # Points measured before DQ_REDUCE and REFILL build today's kernel as they did.
-    assert sp.legacy == {"DQ_REDUCE": "red", "REFILL": "top"}
+    # Points measured before DQ_REDUCE, REFILL and LOADER build today's kernel as they did.
+    assert sp.legacy == {"DQ_REDUCE": "red", "REFILL": "top", "LOADER": "cp_async"}
+    # A TMA producer refills a stage when its empty barrier completes: one REFILL value.
+    refill = sp.violations({**TMA_POINT, "REFILL": "dq"}, TMA_PROBLEM, target)
+    assert any("one REFILL value" in b for b in refill)
+    assert not sp.violations(TMA_POINT, TMA_PROBLEM, target)
+    tma = make_candidate(sp, TMA_POINT, TMA_PROBLEM, target)
+    assert tma.threads == 384 and tma.smem_bytes == make_candidate(
+        sp, {**TMA_POINT, "LOADER": "cp_async"}, TMA_PROBLEM, target).smem_bytes + 2 * 8 * 2
     old = {k: v for k, v in WGMMA_POINT.items() if k not in sp.legacy}
     assert sp.complete(old) == {**WGMMA_POINT, **sp.legacy}
 
@@ -138,6 +149,60 @@ def test_wgmma_bwd_dq_reduce_picks_the_instruction_that_adds_dq(reduce: str,
         assert ops.count("UBLKRED") == 2 and "REDG" not in ops
     else:
         assert "REDG" in ops and "UBLKRED" not in ops
+
+
+@pytest.mark.parametrize(("point", "problem"), [
+    (TMA_POINT, TMA_PROBLEM),  # two consumer warpgroups at 240 registers
+    ({**TMA_POINT, "BLOCK_N": 64, "STAGES": 1, "DQ_ACCUM": "separate"}, PROBLEM),  # one, 255
+    ({**TMA_POINT, "BLOCK_M": 128, "SWIZZLE": 64, "DQ_REDUCE": "bulk"}, PROBLEM),
+])
+def test_wgmma_bwd_tma_loader_compiles_to_a_producer_without_spills(point: dict, problem: dict,
+                                                                    cache: Path) -> None:
+    """LOADER=tma: the ring by TMA tensor copies (UTMALDG: Q and dO, one per swizzle panel)
+    and bulk copies (lse_log2, delta), registers moved by setmaxnreg, no cp.async of Q or dO
+    left (K and V keep theirs), nothing spilled or serialised."""
+    target = get_arch("sm_90a")
+    cand = make_candidate(space("wgmma_bwd"), point, problem, target)
+    src = render(cand)
+    old = render(make_candidate(space("wgmma_bwd"), {**point, "LOADER": "cp_async"}, problem,
+                                target))
+    assert "wg::regs_inc" not in old and "TmaMap tm_q" not in old
+    assert "wg::regs_inc" in src and "__grid_constant__ TmaMap tm_q" in src
+    (r,) = compile_many([cand], target, workers=1)
+    assert r.ok, r.error
+    assert r.spill_bytes == 0 and r.stack_bytes == 0 and "serialized" not in r.log, r.log
+    if CUOBJDUMP is None:
+        return
+    ops = sass_opcodes(r.cubin or b"", "attn_bwd")
+    assert "UTMALDG" in ops and "UBLKCP" in ops, cand.identity
+    assert "USETMAXREG" in ops, cand.identity
+    assert "LDL" not in ops and "STL" not in ops, cand.identity
+
+
+def test_parameter_buffer_of_a_tma_kernel_matches_its_signature() -> None:
+    """Two 128-byte, 64-byte aligned tensor maps, then the cp.async kernel's parameters."""
+    src = render(make_candidate(space("wgmma_bwd"), TMA_POINT, TMA_PROBLEM, get_arch("sm_90a")))
+    found = re.search(r"\battn_bwd\(([^)]*)\)\s*{", src)
+    assert found
+    params = [p.split() for p in found.group(1).split(",")]
+    assert [p[-1] for p in params[:2]] == ["tm_q", "tm_do"]
+    assert all("TmaMap" in p for p in params[:2])
+    pack = launch.BWD_MAIN_TMA_ARGS
+    assert pack.offsets[:3] == (0, 128, 256)
+    assert pack.offsets[2:] == tuple(o + 256 for o in launch.BWD_MAIN_ARGS.offsets)
+    assert len(params) == len(pack.offsets)
+
+
+def test_tma_operands_are_the_tensors_unless_a_map_cannot_describe_them() -> None:
+    """Views with 16-byte multiple strides (bshd storage seen as bhsd, size-1 dims with any
+    stride) go to the tensor map as they are; an expanded (stride-0) tensor as a copy."""
+    bshd = torch.zeros(2, 33, 8, 64, dtype=F16).transpose(1, 2)
+    assert launch.backward.tma_operand(bshd) is bshd
+    one = torch.zeros(1, 8, 1, 64, dtype=F16)
+    assert launch.backward.tma_operand(one) is one
+    expanded = torch.zeros(64, dtype=F16).expand(2, 8, 33, 64)
+    copy = launch.backward.tma_operand(expanded)
+    assert copy is not expanded and copy.is_contiguous() and torch.equal(copy, expanded)
 
 
 def test_a_rejected_point_says_why() -> None:

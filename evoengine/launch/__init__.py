@@ -36,6 +36,7 @@ from pathlib import Path
 from evoengine.launch.backward import (
     BACKWARD_ENTRIES,
     BWD_MAIN_ARGS,
+    BWD_MAIN_TMA_ARGS,
     BWD_POST_ARGS,
     BWD_PRE_ARGS,
     POST_THREADS,
@@ -99,7 +100,8 @@ MODULES = ("core", "tma", "forward", "varlen", "backward", "decode", "dispatch",
 PACKAGE = __name__
 
 __all__ = [
-    "BACKWARD_ENTRIES", "BWD_MAIN_ARGS", "BWD_POST_ARGS", "BWD_PRE_ARGS", "DECODE_ENTRIES",
+    "BACKWARD_ENTRIES", "BWD_MAIN_ARGS", "BWD_MAIN_TMA_ARGS", "BWD_POST_ARGS", "BWD_PRE_ARGS",
+    "DECODE_ENTRIES",
     "DTYPE_NAMES", "CudaDecode", "TunedDecode", "check_decode_inputs", "check_decode_values",
     "sdpa_decode",
     "FALLBACKS", "KERNEL_CLASSES", "KERNEL_DTYPES", "KERNEL_NAME", "KINDS", "LOG2E", "MIN_SM",

@@ -8,12 +8,15 @@ current stream; the first and last are one source for every backward family
   do_sb, do_sh, do_ss)`` on (ceil(seq_q_pad / 32), heads, batch) blocks of 256 threads: per
   query row, delta = rowsum(dO * O) and the log-sum-exp in base 2, padded to whole query
   blocks (seq_q_pad); zeroes the fp32 dQ accumulator (dQacc, null when dQ is stored in parts);
-- ``attn_bwd(Q, K, V, dO, LSE2, DELTA, dQacc, dQpart, dK, dV, seq_q, seq_k, heads, kv_group,
-  seq_q_pad, <q, k, v, dO, dK, dV strides: batch, head, seq each>, scale, scale_log2)`` on
+- ``attn_bwd([tm_q, tm_dO,] Q, K, V, dO, LSE2, DELTA, dQacc, dQpart, dK, dV, seq_q, seq_k,
+  heads, kv_group, seq_q_pad, <q, k, v, dO, dK, dV strides: batch, head, seq each>, scale,
+  scale_log2)`` on
   (ceil(seq_k / block_n), kv_heads, batch) blocks of the candidate's threads and shared memory:
   dK and dV (summed over each key/value head's query heads), and dQ added into dQacc with
   atomics, or, when dQpart is given, stored per key block into dQpart [key blocks, B, H, Sq, D]
-  (fp32);
+  (fp32). A kernel whose ring a TMA producer loads (``loader="tma"``) takes first two
+  128-byte ``__grid_constant__`` CUtensorMaps of Q and dO over (head_dim, seq, heads, batch)
+  with the tensors' own strides, boxes of one swizzle panel by block_m rows (``tma.py``);
 - ``attn_bwd_post(dQacc, dQpart, dQ, seq_q, seq_k, heads, dq_sb, dq_sh, dq_ss, scale)`` on
   (ceil(seq_q * head_dim / 8 / 256), heads, batch) blocks of 256 threads: dQ to fp16/bf16,
   scaled, the parts summed in key order.
@@ -39,6 +42,7 @@ from evoengine.launch.core import (
     softmax_scale,
 )
 from evoengine.launch.forward import CudaKernel
+from evoengine.launch.tma import TmaParams
 
 BACKWARD_ENTRIES = ("attn_bwd_pre", "attn_bwd", "attn_bwd_post")
 # The launch shapes of the first and last kernels, as the template's cfg::PRE_THREADS,
@@ -51,6 +55,8 @@ POST_THREADS = 256
 
 BWD_PRE_ARGS = ParamBuffer("QQQQQQ" + "iii" + "q" * 6)
 BWD_MAIN_ARGS = ParamBuffer("Q" * 10 + "i" * 5 + "q" * 18 + "ff")
+BWD_MAIN_TMA_ARGS = ParamBuffer("MM" + "Q" * 10 + "i" * 5 + "q" * 18 + "ff")
+LOADERS = ("cp_async", "tma")  # wgmma_bwd's LOADER; mma_bwd's kernels are all cp_async
 BWD_POST_ARGS = ParamBuffer("QQQ" + "iii" + "qqq" + "f")
 
 
@@ -63,7 +69,8 @@ class CudaBackward:
     [B, H, Sq], contiguous; -inf on rows that see no key), as the forward kernels write them.
     ``deterministic=True`` (or a kernel built with ``dq_accum="separate"``) stores dQ per key
     block and sums the parts in order: bit-identical results run to run, at the cost of one
-    fp32 dQ per key block of workspace. Loads on first use per device.
+    fp32 dQ per key block of workspace. ``loader="tma"``: the kernel takes tensor maps of
+    Q and dO with the tensor maps' ``swizzle`` (bytes). Loads on first use per device.
     """
 
     kind = "bwd"  # the problem it solves (dispatch.KERNEL_CLASSES)
@@ -72,35 +79,47 @@ class CudaBackward:
                  block_n: int, threads: int, smem_bytes: int, dq_accum: str,
                  arch: str | None = None, cubin: bytes | None = None,
                  source: str | None = None,
-                 defines: Mapping[str, int] | None = None) -> None:
+                 defines: Mapping[str, int] | None = None, loader: str = "cp_async",
+                 swizzle: int | None = None) -> None:
         if dq_accum not in ("atomic", "separate"):
             raise ValueError(f"kernel {name}: dq_accum must be 'atomic' or 'separate', "
                              f"got {dq_accum!r}")
+        if loader not in LOADERS:
+            raise ValueError(f"kernel {name}: loader must be one of {LOADERS}, got {loader!r}")
+        if loader == "tma" and not isinstance(swizzle, int):
+            raise ValueError(f"kernel {name}: a TMA loader needs the tensor maps' swizzle "
+                             f"(bytes), got {swizzle!r}")
         common: dict[str, Any] = dict(head_dim=head_dim, dtype=dtype, causal=causal,
                                       block_m=block_m, arch=arch, cubin=cubin, source=source,
                                       defines=defines)
         pre, main, post = BACKWARD_ENTRIES
         self.pre = CudaKernel(f"{name}:{pre}", threads=PRE_THREADS, smem_bytes=0, entry=pre,
                               **common)
+        # A TMA kernel's main entry carries the tensor-map cache and the sm_90a check of the
+        # forward's TMA kernels (its own launch is never used: launch() packs the arguments).
+        tma = TmaParams(int(swizzle), int(block_n), False) if loader == "tma" else None
         self.main = CudaKernel(name, threads=threads, smem_bytes=smem_bytes, entry=main,
-                               **common)
+                               tma=tma, **common)
         self.post = CudaKernel(f"{name}:{post}", threads=POST_THREADS, smem_bytes=0,
                                entry=post, **common)
         self.name, self.arch, self.cubin, self.source = name, arch, cubin, source
         self.head_dim, self.dtype, self.causal = self.main.head_dim, dtype, self.main.causal
         self.block_m, self.block_n = self.main.block_m, int(block_n)
         self.dq_accum = dq_accum
+        self.loader = loader
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], arch: str | None, *, cubin: bytes | None,
                   source: str | None) -> CudaBackward:
         """The kernel an export's spec describes (``dispatch.kernel_from_spec``)."""
         problem, params = spec["problem"], spec["params"]
+        loader = params.get("LOADER", "cp_async")  # mma_bwd, and specs exported before it
         return cls(spec["name"], head_dim=problem["HEAD_DIM"], dtype=problem["DTYPE"],
                    causal=problem["CAUSAL"], block_m=spec["block_m"], block_n=params["BLOCK_N"],
                    threads=spec["threads"], smem_bytes=spec["smem_bytes"],
                    dq_accum=params["DQ_ACCUM"], arch=arch, cubin=cubin, source=source,
-                   defines=spec.get("defines"))
+                   defines=spec.get("defines"), loader=loader,
+                   swizzle=int(params["SWIZZLE"]) if loader == "tma" else None)
 
     def __repr__(self) -> str:
         return f"CudaBackward({self.name!r})"
@@ -170,10 +189,17 @@ class CudaBackward:
         launch_in_context(pre, (pre.fn, -(-seq_q_pad // PRE_ROWS), h, b, PRE_THREADS, 1, 1,
                                  0, stream, ctypes.addressof(args[1]), 0))
         strides = [s for t in (q, k, v, dout, dk, dv) for s in t.stride()[:3]]
-        args = BWD_MAIN_ARGS.pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(),
-                                  lse2.data_ptr(), delta.data_ptr(), acc_ptr, part_ptr,
-                                  dk.data_ptr(), dv.data_ptr(), sq, sk, h, h // hkv, seq_q_pad,
-                                  *strides, scale, scale * LOG2E)
+        main_args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse2.data_ptr(),
+                     delta.data_ptr(), acc_ptr, part_ptr, dk.data_ptr(), dv.data_ptr(), sq, sk,
+                     h, h // hkv, seq_q_pad, *strides, scale, scale * LOG2E)
+        if self.loader == "tma":
+            q_tma, dout_tma = tma_operand(q), tma_operand(dout)
+            args = BWD_MAIN_TMA_ARGS.pack(self.main._tensor_map(q_tma, self.block_m),
+                                          self.main._tensor_map(dout_tma, self.block_m),
+                                          *main_args)
+        else:
+            q_tma = dout_tma = None
+            args = BWD_MAIN_ARGS.pack(*main_args)
         launch_in_context(main, (main.fn, n_blocks, hkv, b, self.main.threads, 1, 1,
                                   self.main.smem_bytes, stream, ctypes.addressof(args[1]), 0))
         args = BWD_POST_ARGS.pack(acc_ptr, part_ptr, dq.data_ptr(), sq, sk, h,
@@ -181,5 +207,16 @@ class CudaBackward:
         chunks = sq * (d // 8)
         launch_in_context(post, (post.fn, -(-chunks // POST_THREADS), h, b, POST_THREADS, 1, 1,
                                   0, stream, ctypes.addressof(args[1]), 0))
-        del rows, acc, part  # only now: every launch has read their addresses
+        del rows, acc, part, q_tma, dout_tma  # only now: every launch has read their addresses
+
+
+def tma_operand(t: Tensor) -> Tensor:
+    """``t`` where a tensor map can describe it (byte strides positive multiples of 16 on every
+    dim longer than 1), else a contiguous copy: an output gradient that autograd expanded
+    from a scalar has stride 0 (the cp.async kernels read it as it is)."""
+    elem = t.element_size()
+    if all(size == 1 or (stride > 0 and stride * elem % 16 == 0)
+           for size, stride in zip(t.shape[:3], t.stride()[:3], strict=True)):
+        return t
+    return t.contiguous()
 

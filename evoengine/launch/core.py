@@ -267,14 +267,15 @@ def check_grid(p: Problem) -> None:
 class ParamBuffer:
     """One kernel's parameter layout: fields at their natural alignment, as the kernel's
     parameter space lays them out (``codes``: struct letters, Q a pointer, q an int64, i an
-    int32, f a float)."""
+    int32, f a float; M a 128-byte CUtensorMap, 64-byte aligned, packed from ``bytes``)."""
 
     def __init__(self, codes: str) -> None:
         fmt, offsets, at = "=", [], 0
         for code in codes:
-            size = struct.calcsize("=" + code)
-            pad = -at % size
-            fmt += f"{pad}x{code}" if pad else code
+            field, size, align = (("128s", 128, 64) if code == "M" else
+                                  (code, struct.calcsize("=" + code), struct.calcsize("=" + code)))
+            pad = -at % align
+            fmt += f"{pad}x{field}" if pad else field
             offsets.append(at + pad)
             at += pad + size
         self.struct = struct.Struct(fmt)

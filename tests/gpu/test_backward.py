@@ -41,7 +41,10 @@ POINTS = {
     # (p2) and whole (p1, p3, two m64 tiles); every swizzle and ring depth, both dQ paths.
     # p0-p3 omit DQ_REDUCE and REFILL (their legacy values); p4-p8 meet the bulk dQ reduction
     # and the refill after the dQ GEMM with one and two warpgroups, each ring depth, dQ split by
-    # head dim (p4) and by query rows (p8).
+    # head dim (p4) and by query rows (p8). p0-p8 omit LOADER (cp_async, its legacy value);
+    # p9-p13 load the ring by a TMA producer: two consumer warpgroups at 240 registers (p9:
+    # FlashAttention-3's d128 tile; p10: dQ split by query rows; p12: a one-stage ring, refilled
+    # every step) and one at 255 (p11, p13), every swizzle, every dQ path.
     "wgmma_bwd": [
         dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic"),
         dict(BLOCK_N=64, BLOCK_M=64, STAGES=1, SWIZZLE=128, DQ_ACCUM="separate"),
@@ -56,6 +59,14 @@ POINTS = {
         dict(BLOCK_N=64, BLOCK_M=64, STAGES=1, SWIZZLE=64, DQ_ACCUM="atomic", REFILL="dq"),
         dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", REFILL="dq"),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="red", LOADER="tma"),
+        dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma"),
+        dict(BLOCK_N=64, BLOCK_M=64, STAGES=3, SWIZZLE=64, DQ_ACCUM="separate", LOADER="tma"),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=1, SWIZZLE=32, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma"),
+        dict(BLOCK_N=64, BLOCK_M=128, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic", LOADER="tma"),
     ],
 }
 FAMILIES = tuple(POINTS)
@@ -91,6 +102,11 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     ("wgmma_bwd", 5, _problem(64, "fp16", True)), ("wgmma_bwd", 5, _problem(64, "bf16", False)),
     ("wgmma_bwd", 6, _problem(64, "bf16", True)), ("wgmma_bwd", 6, _problem(64, "fp16", False)),
     ("wgmma_bwd", 7, _problem(128, "fp16", True)), ("wgmma_bwd", 7, _problem(64, "bf16", False)),
+    *(("wgmma_bwd", 9, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    *(("wgmma_bwd", 10, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    ("wgmma_bwd", 11, _problem(128, "bf16", True)), ("wgmma_bwd", 11, _problem(64, "fp16", False)),
+    ("wgmma_bwd", 12, _problem(128, "fp16", False)), ("wgmma_bwd", 12, _problem(64, "bf16", True)),
+    ("wgmma_bwd", 13, _problem(64, "bf16", True)), ("wgmma_bwd", 13, _problem(64, "fp16", False)),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
@@ -207,7 +223,8 @@ def inputs(shape: tuple, dtype: torch.dtype, causal: bool, seed: int = 0) -> tup
 @pytest.mark.parametrize(("family", "point", "deterministic"), [
     ("mma_bwd", 0, True), ("mma_bwd", 2, True), ("mma_bwd", 3, False),
     ("wgmma_bwd", 0, True), ("wgmma_bwd", 2, False), ("wgmma_bwd", 5, True),
-    ("wgmma_bwd", 6, False)])
+    ("wgmma_bwd", 6, False), ("wgmma_bwd", 10, True), ("wgmma_bwd", 11, False),
+    ("wgmma_bwd", 12, True)])
 def test_deterministic_results_are_bit_identical(family: str, point: int,
                                                  deterministic: bool) -> None:
     skip_unless_targeted(family)
@@ -245,9 +262,30 @@ def test_gradients_of_the_forward_kernels_own_output(family: str) -> None:
     assert verdict.ok, verdict.reason
 
 
+@pytest.mark.parametrize("point", [9, 11, 12])
+def test_tma_loader_reads_an_expanded_output_gradient(point: int) -> None:
+    """Autograd's gradient of a sum is expanded (stride 0), which no tensor map describes: the
+    TMA launch maps a contiguous copy of it (the cp.async kernels read it as it is)."""
+    skip_unless_targeted("wgmma_bwd")
+    d = 128 if point == 9 else 64
+    kernel = kernel_for("wgmma_bwd", POINTS["wgmma_bwd"][point], _problem(d, "bf16", True))
+    gen = torch.Generator(device="cuda").manual_seed(point)
+    q, k, v = (torch.randn((2, 4 if i == 0 else 2, 300 if i == 0 else 333, d), generator=gen,
+                           device="cuda").to(torch.bfloat16) for i in range(3))
+    out, lse = validate.reference(q, k, v, causal=True)
+    out, lse = out.to(torch.bfloat16), lse.float().contiguous()
+    dout = torch.randn((d,), generator=gen, device="cuda").to(torch.bfloat16).expand_as(q)
+    assert dout.stride()[:3] == (0, 0, 0)
+    grads = kernel(q, k, v, out, lse, dout, causal=True)
+    torch.cuda.synchronize()
+    verdict = validate.judge_grads(grads, validate.reference_grads(q, k, v, dout, causal=True),
+                                   validate.sdpa_grads(q, k, v, dout, causal=True))
+    assert verdict.ok, verdict.reason
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize(("family", "point"), [("mma_bwd", 0), ("wgmma_bwd", 0),
-                                               ("wgmma_bwd", 5)])
+                                               ("wgmma_bwd", 5), ("wgmma_bwd", 12)])
 def test_a_zero_output_gradient_gives_exactly_zero(family: str, point: int,
                                                   deterministic: bool) -> None:
     """Nothing but the products of the inputs reaches the outputs: no workspace left
