@@ -103,13 +103,17 @@ def test_cli_knows_the_kind() -> None:
     assert problem(args.kind).workload_from_arguments(args).cache_len == 4096
 
 
-def test_points_from_before_l2_prefetch_complete() -> None:
+def test_points_from_before_l2_prefetch_and_merge_complete() -> None:
     """The probe's points (benchmarks/results/2026-11-24-h100-decode-probe.json) predate
-    L2_PREFETCH: they complete to the kernel they measured."""
+    L2_PREFETCH and MERGE, the L2 run's (2026-11-24-h100-decode-l2.json) MERGE: they
+    complete to the kernels they measured."""
     space = SearchSpace.load(SPACE)
     old = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
                SPLIT_POLICY="waves", SPLITS=1)
     assert space.complete(old)["L2_PREFETCH"] == 0
+    assert space.complete(old)["MERGE"] == "atomic"
+    assert space.complete(dict(old, L2_PREFETCH=256))["MERGE"] == "atomic"
+    assert space.legacy == {"L2_PREFETCH": 0, "MERGE": "atomic"}
 
 
 def test_space_is_of_kind_decode() -> None:
@@ -125,7 +129,13 @@ def test_space_is_of_kind_decode() -> None:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_compiles_offline_without_spills(arch: str, paged: bool) -> None:
+@pytest.mark.parametrize("merge", ["slices", "atomic"])
+def test_compiles_offline_without_spills(arch: str, paged: bool, merge: str) -> None:
+    """Both merges compile without spills or local memory; where cuobjdump is found, the
+    atomic merge is a CAS loop (ATOMS.CAST.SPIN) per value a thread adds, 2 x BLOCK_M / 16 x
+    HEAD_DIM / 8 of them, and the slices merge has no shared atomic at all."""
+    from tests.test_backward import CUOBJDUMP, sass_opcodes
+
     space = SearchSpace.load(SPACE)
     target = get_arch(arch)
     for head_dim, dtype, params in [
@@ -134,13 +144,47 @@ def test_compiles_offline_without_spills(arch: str, paged: bool) -> None:
         (64, "bf16", dict(BLOCK_N=32, BLOCK_M=32, NUM_WARPS=2, STAGES=3, VEC_BYTES=8,
                           L2_PREFETCH=128, SPLIT_POLICY="fixed", SPLITS=8)),
     ]:
+        params = space.complete(dict(params, MERGE=merge))
         problem_ = {"HEAD_DIM": head_dim, "DTYPE": dtype, "PAGED": paged}
         cand = make_candidate(space, params, problem_, target)
         source = render(cand)
         assert "attn_decode_combine" in source and f"PAGED = {str(paged).lower()}" in source
+        assert f"MERGE_SLICES = {str(merge == 'slices').lower()}" in source
         result = compile_candidate(cand, target)
         assert result.ok, result.error
         assert result.spill_bytes == 0, f"{cand.identity} spills on {arch}"
+        if CUOBJDUMP is None:
+            continue
+        ops = sass_opcodes(result.cubin or b"", "attn_decode")
+        assert "LDL" not in ops and "STL" not in ops, cand.identity
+        adds = 2 * int(params["BLOCK_M"]) // 16 * head_dim // 8 * 2  # type: ignore[call-overload]
+        assert ops.count("ATOMS") == (adds if merge == "atomic" else 0), cand.identity
+
+
+def test_merge_slices_fit_where_the_ring_does() -> None:
+    """Both merges admit the same points on every target (the ring of at least two tiles of
+    16 keys a warp is as large as the slices, and larger than them below 32 rows); the slices
+    grow the shared memory past the ring's only at BLOCK_M 32 with two stages of the fewest
+    keys per warp, and a merge that cannot fit is refused with its reason."""
+    space = SearchSpace.load(SPACE)
+    for arch in ("sm_80", "sm_89", "sm_90a"):
+        target = get_arch(arch)
+        for head_dim in (64, 128):
+            problem_ = {"HEAD_DIM": head_dim, "DTYPE": "fp16", "PAGED": True}
+            admitted = space.admitted(problem_, target)
+            slices = [p for p in admitted if p["MERGE"] == "slices"]
+            atomic = [dict(p, MERGE="slices") for p in admitted if p["MERGE"] == "atomic"]
+            assert slices and slices == atomic, (arch, head_dim)
+            for p in slices:
+                env = space.env(p, problem_, target)
+                if env["MERGE_BYTES"] > env["RING_BYTES"]:  # type: ignore[operator]
+                    assert p["BLOCK_M"] == 32 and p["STAGES"] == 2, p
+                    assert p["BLOCK_N"] == 16 * p["NUM_WARPS"], p  # type: ignore[operator]
+    small = get_arch("sm_89")  # 99 KB: 8 slices of 32 x (256 + 8) floats do not fit
+    big = dict(BLOCK_N=128, BLOCK_M=32, NUM_WARPS=8, STAGES=2, VEC_BYTES=16, L2_PREFETCH=0,
+               MERGE="slices", SPLIT_POLICY="waves", SPLITS=1)
+    bad = space.violations(big, {"HEAD_DIM": 256, "DTYPE": "fp16", "PAGED": True}, small)
+    assert any("the warps' merge fits" in why for why in bad)
 
 
 def test_split_policies() -> None:
@@ -230,7 +274,7 @@ def test_plan_covers_ragged_and_own_length() -> None:
 
 
 DECODE_POINT = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
-                    L2_PREFETCH=256, SPLIT_POLICY="waves", SPLITS=1)
+                    L2_PREFETCH=256, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1)
 
 
 def decode_store(db: object, arch: str, workloads: list[DecodeWorkload]) -> None:

@@ -61,3 +61,22 @@ def test_summary_reports_the_issues_targets() -> None:
     text = bench.summary(rows)
     assert "0.970-0.970" in text and "0.800-0.800 at batch 1, cache 32K" in text
     assert "best anchor on 1 of 2 rows" in text
+
+
+def test_merge_points_pair_the_two_merges() -> None:
+    """benchmarks/decode_points.json: each point twice, slices then atomic, the rest equal,
+    every one admitted for the bench's rows (d128 fp16, paged and contiguous) on sm_90a."""
+    from evoengine.arch import get_arch
+    from evoengine.space import SearchSpace
+
+    points = json.loads((paths.ROOT / "benchmarks" / "decode_points.json").read_text())
+    space = SearchSpace.load(paths.SPACES / "decode.toml")
+    assert len(points) % 2 == 0 and len(points) >= 8
+    for slices, atomic in zip(points[::2], points[1::2], strict=True):
+        assert (slices["MERGE"], atomic["MERGE"]) == ("slices", "atomic")
+        assert dict(slices, MERGE="atomic") == atomic
+        for p in (slices, atomic):
+            assert list(p) == list(space.parameters)
+            for paged in (True, False):
+                problem = {"HEAD_DIM": 128, "DTYPE": "fp16", "PAGED": paged}
+                assert not space.violations(p, problem, get_arch("sm_90a")), p

@@ -3,7 +3,8 @@
 Fresh random inputs per check (``validate.check_decode``): pages shuffled in memory,
 everything past a sequence's length NaN, ragged lengths with 0 and queries that see no key,
 lengths no multiple of a tile or a page, GQA 32/8 and 64/8 and MQA, q_len 1, 4 and 16, one
-split and many (the combine), contiguous and paged caches.
+split and many (the combine), contiguous and paged caches; every point with both merges of
+the warps (MERGE: slices, and the legacy atomics).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from evoengine.runtime import gpu_arch
 from evoengine.space import SearchSpace
 
 # Hand-picked points: one split and many, every tile and ring depth, both copy widths, one
-# and two m16 row tiles, 2 to 8 warps, each L2 prefetch hint.
+# and two m16 row tiles, 2 to 8 warps, each L2 prefetch hint; each is built with both MERGE
+# values (the test's parameter).
 POINTS = [
     dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=4, VEC_BYTES=16, L2_PREFETCH=256,
          SPLIT_POLICY="waves", SPLITS=2),
@@ -51,22 +53,22 @@ def space() -> SearchSpace:
 
 
 @functools.cache
-def kernels(head_dim: int, dtype: str, paged: bool) -> list[DecodeKernel]:
+def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices") -> list[DecodeKernel]:
     arch = gpu_arch()
-    cands: list[Candidate] = [make_candidate(space(), p, dict(HEAD_DIM=head_dim, DTYPE=dtype,
-                                                               PAGED=paged), arch)
-                              for p in POINTS
-                              if not space().violations(p, dict(HEAD_DIM=head_dim, DTYPE=dtype,
-                                                                PAGED=paged), arch)]
+    problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
+    points = [dict(p, MERGE=merge) for p in POINTS]
+    cands: list[Candidate] = [make_candidate(space(), p, problem, arch) for p in points
+                              if not space().violations(p, problem, arch)]
     return [DecodeKernel(c, r) for c, r in zip(cands, compile_many(cands, arch), strict=True)]
 
 
+@pytest.mark.parametrize("merge", ["slices", "atomic"])
 @pytest.mark.parametrize("paged", [True, False])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [128, 64])
-def test_decode_criterion(head_dim: int, dtype: str, paged: bool) -> None:
+def test_decode_criterion(head_dim: int, dtype: str, paged: bool, merge: str) -> None:
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    ks = kernels(head_dim, dtype, paged)
+    ks = kernels(head_dim, dtype, paged, merge)
     assert ks
     for kernel in ks:
         for lengths, q_len, heads, kv, page in CASES:
@@ -78,6 +80,18 @@ def test_decode_criterion(head_dim: int, dtype: str, paged: bool) -> None:
                                       head_dim=head_dim, dtype=torch_dtype, paged=paged,
                                       page_size=page, seed=len(lengths) * 1000 + q_len)
             assert v.ok, f"{kernel.name} {lengths} q{q_len} {heads}/{kv}: {v.reason}"
+
+
+def test_slices_merge_is_deterministic() -> None:
+    """MERGE=slices sums the warps in a fixed order: two calls on the same inputs give the
+    same bits, one split and many (the atomics add in whatever order the warps arrive)."""
+    lengths = [4099, 1, 700]
+    k, v, lens, table = validate.decode_cache(3, lengths, 4160, 8, 128, torch.float16,
+                                              paged=True, page_size=64, device="cuda")
+    q = torch.randn(3, 4, 32, 128, device="cuda", dtype=torch.float16)
+    for kernel in kernels(128, "fp16", True, "slices"):
+        first = kernel(q, k, v, lens, table)
+        assert torch.equal(first, kernel(q, k, v, lens, table)), kernel.name
 
 
 def test_decode_workload_plan_and_timing() -> None:
