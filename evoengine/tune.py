@@ -42,7 +42,7 @@ from typing import Any, TextIO
 
 from evoengine.arch import Arch
 from evoengine.geometry import ModelGeometry
-from evoengine.problems import Workload, problem
+from evoengine.problems import Rate, Workload, problem, problem_of
 from evoengine.search.loop import SearchConfig, SearchResult, default_study, search
 from evoengine.search.progress import Progress, Tally
 from evoengine.space import SearchSpace, default_spaces
@@ -183,9 +183,9 @@ class TuneProgress(Progress):
     """The search's own live line, after where the whole tune stands:
     ``[3/12 b8-h32-...] tune 1234s left | trial 40 ...``."""
 
-    def __init__(self, flops: float, *, position: str, deadline: float | None,
+    def __init__(self, rate: Rate | float, *, position: str, deadline: float | None,
                  stream: TextIO | None = None, quiet: bool = False) -> None:
-        super().__init__(flops, stream=stream, quiet=quiet)
+        super().__init__(rate, stream=stream, quiet=quiet)
         self.position = position
         self.deadline = deadline
 
@@ -261,7 +261,8 @@ def tune(tp: TunePlan, *, store: str | None = None, output: str | Path | None = 
         config = SearchConfig(workload=part.workload, spaces=spaces_for(part.kind, spaces),
                               arch=tp.arch, store=store, study=part.study, trials=tp.trials,
                               timeout_s=budget, **(options or {}))
-        progress = TuneProgress(part.workload.flops(), position=where, deadline=deadline,
+        rate = problem_of(part.workload).rate(part.workload)
+        progress = TuneProgress(rate, position=where, deadline=deadline,
                                 stream=stream, quiet=quiet)
         started = time.monotonic()
         found = run(config, progress)

@@ -70,3 +70,23 @@ def test_every_shipped_space_names_a_registered_problem() -> None:
     kinds = {space.family: space.kind for space in default_spaces(None)}
     assert set(kinds.values()) <= set(problems.PROBLEMS)
     assert kinds["mma_bwd"] == "bwd" and kinds["mma"] == kinds["wgmma"] == "fwd"
+
+
+def test_each_kind_says_how_its_times_read_as_a_rate() -> None:
+    """Attention in matrix TFLOPS; decode, memory-bound, in K/V bytes read per second: what
+    the search's live line, the tune's and the report show."""
+    from evoengine.problems import Rate
+    from evoengine.problems.decode import DecodeWorkload
+    from evoengine.search.progress import Progress, Tally
+
+    fwd = Workload(batch=2, heads=4, seq_q=1024, seq_k=1024, head_dim=64)
+    r = problems.problem("fwd").rate(fwd)
+    assert r.unit == "TFLOPS" and r(100.0) == pytest.approx(fwd.flops() / 100e-6 / 1e12)
+    dec = DecodeWorkload(batch=8, q_len=1, q_heads=32, kv_heads=8, head_dim=128,
+                         cache_len=32768, layout="paged", page_size=64)
+    r = problems.problem("decode").rate(dec)
+    assert r.unit == "GB/s" and r(350.0) == pytest.approx(dec.kv_bytes() / 350e-6 / 1e9)
+    t = Tally()
+    t.best_us = 350.0
+    assert f"best 350.0 us {r(350.0):.1f} GB/s" in Progress(r, quiet=True).line(t)
+    assert "TFLOPS" in Progress(Rate.tflops(fwd.flops()), quiet=True).line(t)

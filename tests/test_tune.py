@@ -428,3 +428,7 @@ def test_a_tune_of_the_serving_kinds_exports_them(tmp_path: Path,
     assert not any(e.tuned for e in decode.table[("fp16", 64, False)])  # derived: contiguous
     varlen = module.attention._tables["varlen"]
     assert set(varlen) == {(d, 64, c) for d in ("fp16", "bf16") for c in (False, True)}
+    # The report reads decode's times as K/V bytes per second, varlen's as TFLOPS.
+    assert main(["report", "--store", store_url(tmp_path), "-o", str(tmp_path / "r.html")]) == 0
+    page = (tmp_path / "r.html").read_text()
+    assert page.count("<th>GB/s</th>") == 2 and page.count("<th>TFLOPS</th>") == 1

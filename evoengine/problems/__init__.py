@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from evoengine.problems.backward import Backward
-from evoengine.problems.base import DEFAULT_KIND, Problem, Workload
+from evoengine.problems.base import DEFAULT_KIND, Problem, Rate, Workload
 from evoengine.problems.decode import Decode
 from evoengine.problems.forward import Forward
 from evoengine.problems.varlen import Varlen
@@ -19,7 +19,7 @@ from evoengine.problems.varlen import Varlen
 PROBLEMS: dict[str, Problem] = {p.kind: p for p in (Forward(), Backward(), Varlen(),
                                                      Decode())}
 
-__all__ = ["DEFAULT_KIND", "PROBLEMS", "Problem", "Workload", "problem", "problem_of",
+__all__ = ["DEFAULT_KIND", "PROBLEMS", "Problem", "Rate", "Workload", "problem", "problem_of",
            "workload_from_dict", "workload_from_key"]
 
 

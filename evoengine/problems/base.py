@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from evoengine.render import Candidate
     from evoengine.validate import Verdict
 
-__all__ = ["DEFAULT_KIND", "Problem", "TimedCall", "Workload"]
+__all__ = ["DEFAULT_KIND", "Problem", "Rate", "TimedCall", "Workload"]
 
 
 class Workload(Protocol):
@@ -57,6 +57,23 @@ class Workload(Protocol):
 
 
 TimedCall = Callable[[int], None]  # fn(i): one call on input set i, as measure.time_calls takes
+
+
+@dataclasses.dataclass(frozen=True)
+class Rate:
+    """How fast a call of ``us`` microseconds went, as its kind counts it: ``per_us / us``
+    in ``unit`` (matrix TFLOPS for attention; bytes per second where a kind is
+    memory-bound, as decode is)."""
+
+    per_us: float
+    unit: str = "TFLOPS"
+
+    def __call__(self, us: float) -> float:
+        return self.per_us / us
+
+    @classmethod
+    def tflops(cls, flops: float) -> Rate:
+        return cls(flops / 1e6, "TFLOPS")
 
 
 class Problem(abc.ABC):
@@ -84,6 +101,10 @@ class Problem(abc.ABC):
     @abc.abstractmethod
     def workload_from_key(self, key: str) -> Workload:
         """The workload ``key()`` names; ``ValueError`` if ``key`` is not one of this kind."""
+
+    def rate(self, workload: Any) -> Rate:
+        """The rate a search, a tune and a report show for a time on ``workload``."""
+        return Rate.tflops(workload.flops())
 
     def variant(self, workload: Any, values: Mapping[str, Any]) -> Workload:
         """``workload`` with the compiled dimensions of ``values`` (names of ``variants``)."""

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from evoengine.argtypes import positive_int
-from evoengine.problems.base import Problem, TimedCall
+from evoengine.problems.base import Problem, Rate, TimedCall
 from evoengine.workload import DTYPES
 
 if TYPE_CHECKING:
@@ -192,6 +192,10 @@ class Decode(Problem):
 
     def workload_from_key(self, key: str) -> DecodeWorkload:
         return DecodeWorkload.from_key(key)
+
+    def rate(self, workload: Any) -> Rate:
+        """K and V bytes read per second (memory-bound: its FLOPs say little)."""
+        return Rate(workload.kv_bytes() / 1e3, "GB/s")
 
     # Decode is causal by definition; a model's server keeps its cache paged or contiguous.
     variants = ("DTYPE", "PAGED")

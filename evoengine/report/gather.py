@@ -14,7 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from evoengine.problems import DEFAULT_KIND, workload_from_dict, workload_from_key
+from evoengine.problems import (
+    DEFAULT_KIND,
+    Rate,
+    problem_of,
+    workload_from_dict,
+    workload_from_key,
+)
 from evoengine.search.evidence import ANCHOR_KEYS
 from evoengine.store import EliteRecord, MeasurementRecord, RunRecord, Store
 
@@ -102,8 +108,9 @@ class WorkloadReport:
         """An HTML id for this workload's section."""
         return f"w-{self.arch}-{self.key}"
 
-    def tflops(self, us: float) -> float | None:
-        return None if self.workload is None else self.workload.flops() / us / 1e6
+    def rate(self) -> Rate | None:
+        """How this workload's times read as a rate (``Problem.rate``); None if unknown."""
+        return None if self.workload is None else problem_of(self.workload).rate(self.workload)
 
 
 @dataclass(frozen=True)

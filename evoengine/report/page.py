@@ -104,13 +104,15 @@ def _elites(w: WorkloadReport) -> list[str]:
         return out + ['<p class="note">The store holds no elites for this workload.</p>',
                       "</section>"]
     studies = {r.id: r.study for r in w.runs}
+    rate = w.rate()
+    unit = "TFLOPS" if rate is None else rate.unit
     out += ["<p>The store's ranking for this workload and target (every study's runs); "
             "rank 1 is what <code>evoengine export best</code> ships.</p>",
             '<table class="elites">',
-            "<tr><th>rank</th><th>µs</th><th>TFLOPS</th><th>family</th><th>parameters</th>"
-            "<th>run</th><th>identity</th></tr>"]
+            f"<tr><th>rank</th><th>µs</th><th>{escape(unit)}</th><th>family</th>"
+            "<th>parameters</th><th>run</th><th>identity</th></tr>"]
     for e in w.elites:
-        tflops = w.tflops(e.median_us)
+        tflops = None if rate is None else rate(e.median_us)
         run = "-" if e.run_id is None else f"{e.run_id}" + (
             f" ({studies[e.run_id]})" if studies.get(e.run_id) else "")
         out.append(

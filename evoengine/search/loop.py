@@ -47,6 +47,7 @@ from typing import Any
 
 from evoengine.arch import Arch
 from evoengine.compile import CompileResult, compile_candidate, is_cached
+from evoengine.problems import problem_of
 from evoengine.render import Candidate
 from evoengine.search.coordination import Coordination
 from evoengine.search.domain import Domain, Point
@@ -213,7 +214,7 @@ def _search(config: SearchConfig, evaluator: Evaluator | Sequence[Evaluator] | N
         if config.timeout_s is not None:
             tally.deadline = time.monotonic() + config.timeout_s
         tally.baseline = gpus[0].evaluator.baseline()
-        progress = progress or Progress(w.flops())
+        progress = progress or Progress(problem_of(w).rate(w))
         ranked = evidence.ranked(limit=1)
         if ranked:
             tally.best_us, tally.best_identity = ranked[0][1], ranked[0][0]

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from evoengine.problems.base import Rate
+
 
 @dataclass
 class Tally:
@@ -58,9 +60,10 @@ class Progress:
     """Writes a status line to ``stream``: rewritten in place on a terminal, else a line at
     most every ``every_s`` seconds (and on each new best)."""
 
-    def __init__(self, flops: float, stream: TextIO | None = None, every_s: float = 10.0,
+    def __init__(self, rate: Rate | float, stream: TextIO | None = None, every_s: float = 10.0,
                  quiet: bool = False) -> None:
-        self.flops = flops
+        # The workload's rate (``Problem.rate``), or its FLOPs for TFLOPS.
+        self.rate = rate if isinstance(rate, Rate) else Rate.tflops(rate)
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.every_s = every_s
@@ -77,7 +80,7 @@ class Progress:
         parts.append(f"valid {t.valid}/{done} ({100 * t.valid / done:.0f}%)" if done
                      else "valid -")
         if t.best_us is not None:
-            parts.append(f"best {t.best_us:.1f} us {self.flops / t.best_us / 1e6:.1f} TFLOPS")
+            parts.append(f"best {t.best_us:.1f} us {self.rate(t.best_us):.1f} {self.rate.unit}")
             flash = t.baseline.get("flash")
             if flash:
                 parts.append(f"{flash / t.best_us:.2f}x flash")
