@@ -30,11 +30,14 @@ POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_AC
              KV_IN_REGS=False)
 PROBLEM = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True)
 WGMMA_POINT = dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
-                   DQ_REDUCE="bulk", REFILL="dq", LOADER="cp_async")
+                   DQ_REDUCE="bulk", REFILL="dq", LOADER="cp_async", DQ_WRITER="consumer",
+                   DQ_BUFFERS=1)
 # The ring loaded by a TMA producer warpgroup (FlashAttention-3's d128 tile).
 TMA_POINT = {**WGMMA_POINT, "SWIZZLE": 128, "DQ_REDUCE": "red", "REFILL": "top",
              "LOADER": "tma"}
 TMA_PROBLEM = dict(HEAD_DIM=128, DTYPE="bf16", CAUSAL=True)
+# The staged dQ added by warp 1 of the producer, two staging buffers.
+WARP_POINT = {**TMA_POINT, "DQ_REDUCE": "bulk", "DQ_WRITER": "warp", "DQ_BUFFERS": 2}
 POINTS = {"mma_bwd": (POINT, "sm_80"), "wgmma_bwd": (WGMMA_POINT, "sm_90a")}
 
 
@@ -120,8 +123,10 @@ def test_wgmma_bwd_space_targets_sm90a_and_says_why() -> None:
     assert any("start on a panel of K" in b for b in split)
     parts = sp.violations({**WGMMA_POINT, "DQ_ACCUM": "separate"}, PROBLEM, target)
     assert any("adds into the atomic accumulator" in b for b in parts)
-    # Points measured before DQ_REDUCE, REFILL and LOADER build today's kernel as they did.
-    assert sp.legacy == {"DQ_REDUCE": "red", "REFILL": "top", "LOADER": "cp_async"}
+    # Points measured before DQ_REDUCE, REFILL, LOADER, DQ_WRITER and DQ_BUFFERS build
+    # today's kernel as they did.
+    assert sp.legacy == {"DQ_REDUCE": "red", "REFILL": "top", "LOADER": "cp_async",
+                         "DQ_WRITER": "consumer", "DQ_BUFFERS": 1}
     # A TMA producer refills a stage when its empty barrier completes: one REFILL value.
     refill = sp.violations({**TMA_POINT, "REFILL": "dq"}, TMA_PROBLEM, target)
     assert any("one REFILL value" in b for b in refill)
@@ -131,6 +136,34 @@ def test_wgmma_bwd_space_targets_sm90a_and_says_why() -> None:
         sp, {**TMA_POINT, "LOADER": "cp_async"}, TMA_PROBLEM, target).smem_bytes + 2 * 8 * 2
     old = {k: v for k, v in WGMMA_POINT.items() if k not in sp.legacy}
     assert sp.complete(old) == {**WGMMA_POINT, **sp.legacy}
+
+
+def test_wgmma_bwd_dq_warp_only_where_it_has_work_and_its_buffers_fit() -> None:
+    """DQ_WRITER=warp needs the TMA producer (its warp 1) and the bulk reduction; a second
+    staging buffer only with the dQ warp (no duplicate kernels) and where shared memory holds
+    it; the space's shared memory is the template's (two more mbarriers per buffer)."""
+    sp = space("wgmma_bwd")
+    target = get_arch("sm_90a")
+    assert not sp.violations(WARP_POINT, TMA_PROBLEM, target)
+    why = "the dQ warp is warp 1 of the TMA producer"
+    for other in ({"LOADER": "cp_async"}, {"DQ_REDUCE": "red"}):
+        assert any(why in b for b in sp.violations({**WARP_POINT, **other}, TMA_PROBLEM, target))
+    separate = {**WARP_POINT, "DQ_ACCUM": "separate", "DQ_REDUCE": "red"}
+    assert any(why in b for b in sp.violations(separate, TMA_PROBLEM, target))
+    two = {**TMA_POINT, "DQ_REDUCE": "bulk", "DQ_BUFFERS": 2}  # the consumer writes dQ
+    assert any("second staging buffer" in b for b in sp.violations(two, TMA_PROBLEM, target))
+    # d128 BLOCK_M 64 with three stages: one buffer fits, two do not.
+    three = {**WARP_POINT, "STAGES": 3}
+    assert any("shared memory" in b for b in sp.violations(three, TMA_PROBLEM, target))
+    assert not sp.violations({**three, "DQ_BUFFERS": 1}, TMA_PROBLEM, target)
+    consumer = make_candidate(sp, {**WARP_POINT, "DQ_WRITER": "consumer", "DQ_BUFFERS": 1},
+                              TMA_PROBLEM, target)
+    warp = make_candidate(sp, WARP_POINT, TMA_PROBLEM, target)
+    assert warp.threads == consumer.threads == 384
+    assert warp.smem_bytes == consumer.smem_bytes + 64 * 128 * 4 + 2 * 2 * 8
+    src, old = render(warp), render(consumer)
+    assert "reduce_dq(dQacc" in src and "constexpr bool DQ_WARP = true;" in src
+    assert "constexpr bool DQ_WARP = false;" in old
 
 
 @pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not found")
@@ -149,6 +182,36 @@ def test_wgmma_bwd_dq_reduce_picks_the_instruction_that_adds_dq(reduce: str,
         assert ops.count("UBLKRED") == 2 and "REDG" not in ops
     else:
         assert "REDG" in ops and "UBLKRED" not in ops
+
+
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not found")
+@pytest.mark.parametrize(("point", "problem"), [
+    (WARP_POINT, TMA_PROBLEM),  # two consumer warpgroups, two buffers
+    ({**WARP_POINT, "BLOCK_M": 128, "SWIZZLE": 64, "STAGES": 1, "DQ_BUFFERS": 1}, PROBLEM),
+    ({**WARP_POINT, "BLOCK_N": 64, "STAGES": 3}, TMA_PROBLEM),  # one consumer warpgroup
+])
+def test_wgmma_bwd_dq_warp_issues_the_only_bulk_reduction(point: dict, problem: dict,
+                                                          cache: Path) -> None:
+    """DQ_WRITER=warp: one UBLKRED in the kernel, in the producer's code (after its
+    setmaxnreg.dec), none left in the consumers; the producer's code fits the registers it keeps
+    (24 with two consumer warpgroups, 56 with one); nothing spilled, serialised or local."""
+    target = get_arch("sm_90a")
+    cand = make_candidate(space("wgmma_bwd"), point, problem, target)
+    (r,) = compile_many([cand], target, workers=1)
+    assert r.ok, r.error
+    assert r.spill_bytes == 0 and r.stack_bytes == 0 and "serialized" not in r.log, r.log
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(r.cubin or b"")
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", "-fun", "attn_bwd", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    producer_at = sass.index("USETMAXREG.DEALLOC")
+    consumers, producer = sass[:producer_at], sass[producer_at:]
+    assert "UBLKRED" not in consumers and producer.count("UBLKRED") == 1, cand.identity
+    kept = 24 if point["BLOCK_N"] == 128 else 56
+    assert max(int(x) for x in re.findall(r"\bR(\d+)\b", producer)) < kept, cand.identity
+    ops = sass_opcodes(r.cubin or b"", "attn_bwd")
+    assert "LDL" not in ops and "STL" not in ops and "REDG" not in ops, cand.identity
 
 
 @pytest.mark.parametrize(("point", "problem"), [

@@ -44,7 +44,11 @@ POINTS = {
     # head dim (p4) and by query rows (p8). p0-p8 omit LOADER (cp_async, its legacy value);
     # p9-p13 load the ring by a TMA producer: two consumer warpgroups at 240 registers (p9:
     # FlashAttention-3's d128 tile; p10: dQ split by query rows; p12: a one-stage ring, refilled
-    # every step) and one at 255 (p11, p13), every swizzle, every dQ path.
+    # every step) and one at 255 (p11, p13), every swizzle, every dQ path. p14-p18 hand the
+    # bulk dQ reduction to warp 1 of the producer (DQ_WRITER=warp) through mbarriers, with one
+    # and two staging buffers: two consumer warpgroups (p14: FlashAttention-3's d128 tile, two
+    # buffers; p15: dQ split by query rows, a one-stage ring; p17: the timed d128 S3 point) and
+    # one (p16, p18).
     "wgmma_bwd": [
         dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic"),
         dict(BLOCK_N=64, BLOCK_M=64, STAGES=1, SWIZZLE=128, DQ_ACCUM="separate"),
@@ -67,6 +71,16 @@ POINTS = {
         dict(BLOCK_N=128, BLOCK_M=64, STAGES=1, SWIZZLE=32, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", LOADER="tma"),
         dict(BLOCK_N=64, BLOCK_M=128, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic", LOADER="tma"),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_BUFFERS=2),
+        dict(BLOCK_N=128, BLOCK_M=128, STAGES=1, SWIZZLE=64, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_BUFFERS=1),
+        dict(BLOCK_N=64, BLOCK_M=64, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_BUFFERS=2),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_BUFFERS=1),
+        dict(BLOCK_N=64, BLOCK_M=128, STAGES=2, SWIZZLE=32, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_BUFFERS=1),
     ],
 }
 FAMILIES = tuple(POINTS)
@@ -107,6 +121,11 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     ("wgmma_bwd", 11, _problem(128, "bf16", True)), ("wgmma_bwd", 11, _problem(64, "fp16", False)),
     ("wgmma_bwd", 12, _problem(128, "fp16", False)), ("wgmma_bwd", 12, _problem(64, "bf16", True)),
     ("wgmma_bwd", 13, _problem(64, "bf16", True)), ("wgmma_bwd", 13, _problem(64, "fp16", False)),
+    *(("wgmma_bwd", 14, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    *(("wgmma_bwd", 15, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    ("wgmma_bwd", 16, _problem(128, "bf16", True)), ("wgmma_bwd", 16, _problem(64, "fp16", False)),
+    ("wgmma_bwd", 17, _problem(128, "fp16", True)), ("wgmma_bwd", 17, _problem(128, "bf16", False)),
+    ("wgmma_bwd", 18, _problem(64, "bf16", True)), ("wgmma_bwd", 18, _problem(64, "fp16", False)),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
@@ -224,7 +243,7 @@ def inputs(shape: tuple, dtype: torch.dtype, causal: bool, seed: int = 0) -> tup
     ("mma_bwd", 0, True), ("mma_bwd", 2, True), ("mma_bwd", 3, False),
     ("wgmma_bwd", 0, True), ("wgmma_bwd", 2, False), ("wgmma_bwd", 5, True),
     ("wgmma_bwd", 6, False), ("wgmma_bwd", 10, True), ("wgmma_bwd", 11, False),
-    ("wgmma_bwd", 12, True)])
+    ("wgmma_bwd", 12, True), ("wgmma_bwd", 15, True), ("wgmma_bwd", 16, True)])
 def test_deterministic_results_are_bit_identical(family: str, point: int,
                                                  deterministic: bool) -> None:
     skip_unless_targeted(family)
@@ -262,12 +281,12 @@ def test_gradients_of_the_forward_kernels_own_output(family: str) -> None:
     assert verdict.ok, verdict.reason
 
 
-@pytest.mark.parametrize("point", [9, 11, 12])
+@pytest.mark.parametrize("point", [9, 11, 12, 14])
 def test_tma_loader_reads_an_expanded_output_gradient(point: int) -> None:
     """Autograd's gradient of a sum is expanded (stride 0), which no tensor map describes: the
     TMA launch maps a contiguous copy of it (the cp.async kernels read it as it is)."""
     skip_unless_targeted("wgmma_bwd")
-    d = 128 if point == 9 else 64
+    d = 128 if point in (9, 14) else 64
     kernel = kernel_for("wgmma_bwd", POINTS["wgmma_bwd"][point], _problem(d, "bf16", True))
     gen = torch.Generator(device="cuda").manual_seed(point)
     q, k, v = (torch.randn((2, 4 if i == 0 else 2, 300 if i == 0 else 333, d), generator=gen,
@@ -285,12 +304,13 @@ def test_tma_loader_reads_an_expanded_output_gradient(point: int) -> None:
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize(("family", "point"), [("mma_bwd", 0), ("wgmma_bwd", 0),
-                                               ("wgmma_bwd", 5), ("wgmma_bwd", 12)])
+                                               ("wgmma_bwd", 5), ("wgmma_bwd", 12),
+                                               ("wgmma_bwd", 15)])
 def test_a_zero_output_gradient_gives_exactly_zero(family: str, point: int,
                                                   deterministic: bool) -> None:
     """Nothing but the products of the inputs reaches the outputs: no workspace left
     unzeroed, no part of dQ summed that no key block stored (wgmma_bwd's p5: the bulk
-    reduction of staged dQ)."""
+    reduction of staged dQ; p15: by the dQ warp)."""
     skip_unless_targeted(family)
     kernel = kernel_for(family, POINTS[family][point], _problem(64, "fp16", True))
     q, k, v, out, lse, dout = inputs((1, 2, 2, 333, 300, "bhsd"), torch.float16, causal=True)
