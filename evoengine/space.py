@@ -21,7 +21,11 @@ A space is a TOML file under ``search_spaces/`` (see ``search_spaces/mma.toml``)
 - ``[legacy]``: for a parameter added after points were measured, the value that builds the
   kernel as it was before the parameter existed. ``complete`` fills it into a stored point
   that lacks the parameter, so points measured before it stay valid, buildable and
-  comparable with the points that have it.
+  comparable with the points that have it;
+- ``[untested]``: values of a parameter that the template builds and the offline checks
+  passed but no GPU has run yet (a CPU-only session's work). The search never proposes them;
+  ``with_untested()`` is the space that admits them, for the GPU tests that must pass before
+  they move into ``[parameters]``.
 
 Expressions may read the problem, the parameters, earlier derived values and the target's
 limits (``SM``, ``SMEM_LIMIT``, ``MAX_THREADS``, ``REGS_PER_SM``).
@@ -34,7 +38,7 @@ import random
 import re
 import tomllib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from evoengine import paths
@@ -45,7 +49,7 @@ from evoengine.workload import DEFAULT_KIND
 _ARCH_NAMES = frozenset(("SM", "SMEM_LIMIT", "MAX_THREADS", "REGS_PER_SM"))
 _FAMILY_NAME = re.compile(r"[a-z][a-z0-9_]*")
 _TOP_KEYS = {"family", "kind", "kinds", "description", "archs", "problem", "kind_problem",
-             "parameters", "derived", "constraints", "legacy"}
+             "parameters", "derived", "constraints", "legacy", "untested"}
 
 
 def _in_domain(value: object, domain: tuple[object, ...]) -> bool:
@@ -77,6 +81,13 @@ class SearchSpace:
     legacy: dict[str, object] = field(default_factory=dict)
     kinds: tuple[str, ...] = ()  # every kind served, ``kind`` first; () is ``kind`` alone
     kind_problem: dict[str, dict[str, object]] = field(default_factory=dict)
+    untested: dict[str, tuple[object, ...]] = field(default_factory=dict)
+
+    def with_untested(self) -> SearchSpace:
+        """This space with its ``[untested]`` values admitted (after each domain's own)."""
+        return replace(self, untested={}, parameters={
+            k: v + tuple(x for x in self.untested.get(k, ()) if not _in_domain(x, v))
+            for k, v in self.parameters.items()})
 
     def serves(self, kind: str) -> bool:
         """Whether this family's kernels solve problems of ``kind``."""
@@ -186,9 +197,16 @@ class SearchSpace:
                 raise fail(f"legacy.{name} is not a parameter")
             if not _in_domain(value, parameters[name]):
                 raise fail(f"legacy.{name} = {value!r} is not in its domain {parameters[name]}")
+        untested = domains("untested") if "untested" in data else {}
+        for name, values in untested.items():
+            if name not in parameters:
+                raise fail(f"untested.{name} is not a parameter")
+            both = [v for v in values if _in_domain(v, parameters[name])]
+            if both:
+                raise fail(f"untested.{name}: {both} already in its domain")
         return cls(family, str(data.get("description", "")), archs, problem, parameters,
                    derived, tuple(constraints), path, str(kinds[0]), dict(legacy),
-                   tuple(kinds), kind_problem)
+                   tuple(kinds), kind_problem, untested)
 
     @staticmethod
     def _expr(text: object, known: set[str], fail, what: str) -> Expr:  # type: ignore[no-untyped-def]

@@ -480,7 +480,33 @@ BAD_FILES = {
                              "legacy.BLOCK_M = 128 is not in its domain (32, 64)"),
     "legacy of another type": (TINY + '\n[legacy]\nBLOCK_M = "64"\n',
                                "legacy.BLOCK_M = '64' is not in its domain"),
+    "untested of no parameter": (TINY + "\n[untested]\nBLOCK_N = [64]\n",
+                                 "untested.BLOCK_N is not a parameter"),
+    "untested already searched": (TINY + "\n[untested]\nBLOCK_M = [64, 128]\n",
+                                  "untested.BLOCK_M: [64] already in its domain"),
+    "untested not a list": (TINY + "\n[untested]\nBLOCK_M = 128\n",
+                            "untested.BLOCK_M must be a non-empty list"),
 }
+
+
+def test_untested_values_are_admitted_only_when_asked(tmp_path: Path) -> None:
+    """[untested]: built and checked offline, not yet on a GPU. The search's space never
+    admits them (nor proposes them); ``with_untested()`` does, for the GPU tests."""
+    space = SearchSpace.load(write(tmp_path, TINY + "\n[untested]\nBLOCK_M = [128]\n"))
+    sm80 = get_arch("sm_80")
+    assert space.parameters == {"BLOCK_M": (32, 64)} and space.untested == {"BLOCK_M": (128,)}
+    assert space.violations({"BLOCK_M": 128}, {"HEAD_DIM": 64}, sm80)
+    trial = space.with_untested()
+    assert trial.parameters == {"BLOCK_M": (32, 64, 128)} and trial.untested == {}
+    assert trial.admitted({"HEAD_DIM": 64}, sm80) == [{"BLOCK_M": 32}, {"BLOCK_M": 64},
+                                                      {"BLOCK_M": 128}]
+
+
+def test_shipped_untested_values_are_outside_the_searched_domains() -> None:
+    for path in sorted(paths.SPACES.glob("*.toml")):
+        space = SearchSpace.load(path)
+        for name, values in space.untested.items():
+            assert not set(values) & set(space.parameters[name]), (path.name, name)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FILES))

@@ -72,7 +72,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, required=True, help="where to write the rows")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
-    space = SearchSpace.load(paths.SPACES / "wgmma_bwd.toml")
+    space = SearchSpace.load(paths.SPACES / "wgmma_bwd.toml").with_untested()
     target = get_arch("sm_90a")
     points = warp_points(space)
     cands = [make_candidate(space, p, pr, target) for p, pr in points]
