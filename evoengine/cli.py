@@ -344,7 +344,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     else:
         _cuda_or_fail("tune")
         arch = tune.device_arch(args.gpus[0] if args.gpus else args.device or 0)
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    kinds = (None if args.kinds is None
+             else [k.strip() for k in args.kinds.split(",") if k.strip()])
     plan = tune.plan(geometry, arch, name=name, kinds=kinds, split=args.split,
                      timeout_s=args.timeout or tune.DEFAULT_TIMEOUT_S, trials=args.trials,
                      spaces=args.space)
@@ -595,8 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seq", type=positive_int, metavar="N",
                    help="longest sequence to tune for (default: max_position_embeddings, "
                    "at most 16384)")
-    t.add_argument("--kinds", default="fwd", metavar="K,K",
-                   help="problem kinds to tune, e.g. fwd,bwd (default fwd)")
+    t.add_argument("--kinds", metavar="K,K",
+                   help="problem kinds to tune, e.g. fwd or fwd,bwd (default: every kind the "
+                   "model makes calls of: fwd,bwd,varlen and, for a decoder, decode)")
     tb = t.add_mutually_exclusive_group()
     tb.add_argument("--timeout", type=positive_duration,
                     help="wall-clock budget of the whole tune (default 30m)")

@@ -3,8 +3,10 @@ that serves them all.
 
 ``plan`` turns a ``ModelGeometry`` (``evoengine.geometry``: heads, head dim, dtype, causal,
 longest sequence, read from a Transformers ``config.json``) into the workloads of each
-problem kind asked for (``Problem.tune_workloads``: for the forward and the backward, the
-prefill ladder 512, 1K, 2K, ... up to the model's maximum, ~16K tokens per call), in
+problem kind asked for, by default every kind the model makes calls of that a space serves
+(``Problem.tune_workloads``: for the forward and the backward, the prefill ladder 512, 1K,
+2K, ... up to the model's maximum, ~16K tokens per call; ragged batches of the same tokens;
+decode steps against 4K, 32K and the longest cache, for decoders), in
 ladder order within each kind, so that each search is seeded by the elites of the rung
 before it (the search seeds from the nearest workloads' elites first). ``tune`` runs one
 search per workload, each its own study, ``<tune name>/<arch>-<workload key>``, then
@@ -26,7 +28,8 @@ interrupted (Ctrl-C, a lost machine) is searched again under the same study, whi
 it (nothing is measured twice). Running the same command again therefore continues where it
 stopped and, once every workload is finished, only exports.
 
-Contract: ``plan`` raises a one-line ``ValueError`` for a kind no problem or space serves;
+Contract: ``plan`` raises a one-line ``ValueError`` for a kind asked for that no problem or
+space serves (by default such a kind is left out and named in the plan's notes);
 ``tune`` lets ``SearchError``/``EvaluatorError`` of a search through (nothing after it runs)
 and returns status ``interrupted`` on Ctrl-C, without exporting.
 """
@@ -42,7 +45,7 @@ from typing import Any, TextIO
 
 from evoengine.arch import Arch
 from evoengine.geometry import ModelGeometry
-from evoengine.problems import Rate, Workload, problem, problem_of
+from evoengine.problems import PROBLEMS, Rate, Workload, problem, problem_of
 from evoengine.search.loop import SearchConfig, SearchResult, default_study, search
 from evoengine.search.progress import Progress, Tally
 from evoengine.space import SearchSpace, default_spaces
@@ -80,6 +83,7 @@ class TunePlan:
     split: str = "equal"
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     trials: int | None = None  # per workload, instead of a time budget
+    notes: tuple[str, ...] = ()  # what the plan left out, and why
 
     def shares(self, seconds: float | None = None) -> list[float]:
         """Each part's share of ``seconds`` (default: the timeout), were all unfinished."""
@@ -92,16 +96,17 @@ class TunePlan:
         budget = (f"{self.trials} trials per workload" if self.trials is not None
                   else f"{self.timeout_s:.0f} s split {self.split}")
         lines = [f"tune {self.name} on {self.arch.name}: {self.geometry.describe()}",
-                 *(f"  note: {n}" for n in self.geometry.notes),
+                 *(f"  note: {n}" for n in (*self.geometry.notes, *self.notes)),
                  f"{len(self.parts)} workloads ({', '.join(self.kinds)}), {budget}:",
-                 f"  {'#':>3} {'kind':<5} {'batch':>5} {'seq':>6} {'GFLOP':>9} "
+                 f"  {'#':>3} {'kind':<6} {'batch':>5} {'seq':>6} {'GFLOP':>9} "
                  f"{'budget':>8}  study"]
         shares = self.shares() if self.trials is None else [None] * len(self.parts)
         for i, (part, share) in enumerate(zip(self.parts, shares, strict=True), start=1):
             w = part.workload
             spend = f"{share:7.0f}s" if share is not None else f"{self.trials:>5} tr"
-            lines.append(f"  {i:>3} {part.kind:<5} {getattr(w, 'batch', '-'):>5} "
-                         f"{getattr(w, 'seq_q', '-'):>6} {w.flops() / 1e9:9.1f} {spend:>8}  "
+            # seq: the keys a query sees at most (decode: the cache; varlen: the longest)
+            lines.append(f"  {i:>3} {part.kind:<6} {getattr(w, 'batch', '-'):>5} "
+                         f"{getattr(w, 'seq_k', '-'):>6} {w.flops() / 1e9:9.1f} {spend:>8}  "
                          f"{part.study}")
         return "\n".join(lines)
 
@@ -140,27 +145,48 @@ def spaces_for(kind: str, files: Sequence[str] | None = None) -> list[SearchSpac
     return default_spaces(kind)
 
 
-def plan(geometry: ModelGeometry, arch: Arch, *, name: str, kinds: Sequence[str] = ("fwd",),
-         split: str = "equal", timeout_s: float | None = DEFAULT_TIMEOUT_S,
-         trials: int | None = None, spaces: Sequence[str] | None = None) -> TunePlan:
-    """The workloads to search for ``geometry`` on ``arch``; see the module docstring."""
+def plan(geometry: ModelGeometry, arch: Arch, *, name: str,
+         kinds: Sequence[str] | None = None, split: str = "equal",
+         timeout_s: float | None = DEFAULT_TIMEOUT_S, trials: int | None = None,
+         spaces: Sequence[str] | None = None) -> TunePlan:
+    """The workloads to search for ``geometry`` on ``arch``; see the module docstring.
+    ``kinds`` None: every kind the model makes calls of (``Problem.tune_workloads``) that
+    some space serves on ``arch``, each left out named in the plan's notes."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if not name or name.startswith("/") or "//" in name:
         raise ValueError(f"a tune name must be non-empty text, got {name!r}")
+    notes: list[str] = []
+    if kinds is None:
+        kinds = []
+        for kind in PROBLEMS:
+            try:
+                if not problem(kind).tune_workloads(geometry):
+                    notes.append(f"{kind}: the model makes no such calls")
+                    continue
+                _refuse_unserved(kind, spaces_for(kind, spaces), problem(kind).tune_workloads(
+                    geometry), arch)
+            except ValueError as e:
+                notes.append(f"{kind} left out: {e}")
+                continue
+            kinds.append(kind)
     kinds = tuple(dict.fromkeys(kinds))
     if not kinds:
-        raise ValueError("at least one kind to tune is needed (e.g. fwd or fwd,bwd)")
+        raise ValueError("at least one kind to tune is needed (e.g. fwd or fwd,bwd)"
+                         + (f"; {'; '.join(notes)}" if notes else ""))
     parts: list[Part] = []
     for kind in kinds:
         solver = problem(kind)  # an unknown kind: ValueError naming the known ones
         workloads = solver.tune_workloads(geometry)
+        if not workloads:
+            raise ValueError(f"{kind}: a {'causal' if geometry.causal else 'non-causal'} model "
+                             f"makes no {kind} calls to tune")
         _refuse_unserved(kind, spaces_for(kind, spaces), workloads, arch)
         for w in workloads:
             parts.append(Part(w, study_name(name, arch, w),
                               w.flops() if split == "flops" else 1.0))
     return TunePlan(name, geometry, arch, kinds, tuple(parts), split,
-                    None if trials is not None else timeout_s, trials)
+                    None if trials is not None else timeout_s, trials, tuple(notes))
 
 
 def _refuse_unserved(kind: str, spaces: list[SearchSpace], workloads: list[Workload],

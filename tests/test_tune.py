@@ -116,15 +116,15 @@ def test_every_kind_plans_for_a_model(kind: str) -> None:
 
 
 def test_the_budget_splits_equally_or_by_flops() -> None:
-    equal = tune.plan(TINY, SM90, name="t", timeout_s=600)
+    equal = tune.plan(TINY, SM90, name="t", kinds=("fwd",), timeout_s=600)
     assert equal.shares() == [300.0, 300.0]
     g = replace(TINY, max_seq=4096, causal=False)
-    flops = tune.plan(g, SM90, name="t", split="flops", timeout_s=700)
+    flops = tune.plan(g, SM90, name="t", kinds=("fwd",), split="flops", timeout_s=700)
     shares = flops.shares()
     assert sum(shares) == pytest.approx(700)
     assert shares == pytest.approx([700 * p.workload.flops() / sum(
         q.workload.flops() for q in flops.parts) for p in flops.parts])
-    assert tune.plan(TINY, SM90, name="t", timeout_s=1).shares() == [tune.MIN_SHARE_S] * 2
+    assert tune.plan(TINY, SM90, name="t", kinds=("fwd",), timeout_s=1).shares() == [tune.MIN_SHARE_S] * 2
 
 
 def test_the_plan_says_what_it_will_do() -> None:
@@ -143,6 +143,22 @@ def test_the_plan_says_what_it_will_do() -> None:
 def test_bad_plans_are_refused_in_one_line(kw: dict, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         tune.plan(TINY, SM90, **{"name": "t", **kw})
+
+
+def test_by_default_every_call_the_model_makes_is_tuned() -> None:
+    """No --kinds: every registered kind with calls and a space; an encoder has no decode,
+    and a kind no given space serves is left out, each named in the plan."""
+    tp = tune.plan(TINY, SM90, name="t")
+    assert tp.kinds == ("fwd", "bwd", "varlen", "decode") and not tp.notes
+    encoder = tune.plan(replace(TINY, causal=False), SM90, name="t")
+    assert encoder.kinds == ("fwd", "bwd", "varlen")
+    assert encoder.notes == ("decode: the model makes no such calls",)
+    only = tune.plan(TINY, SM90, name="t", spaces=MMA)  # mma serves fwd and varlen
+    assert only.kinds == ("fwd", "varlen")
+    assert [n.split(":")[0] for n in only.notes] == ["bwd left out", "decode left out"]
+    assert "note: bwd left out: no bwd search space targets sm_90a" in only.describe()
+    with pytest.raises(ValueError, match="makes no decode calls"):
+        tune.plan(replace(TINY, causal=False), SM90, name="t", kinds=("decode",))
 
 
 def test_a_head_dim_no_space_admits_is_refused() -> None:
@@ -167,7 +183,7 @@ def test_each_workload_gets_its_share_of_what_is_left(tmp_path: Path,
     clock = Clock()
     monkeypatch.setattr(tune.time, "monotonic", clock)
     g = replace(TINY, max_seq=2048)  # three rungs
-    tp = tune.plan(g, SM90, name="clock", timeout_s=300)
+    tp = tune.plan(g, SM90, name="clock", kinds=("fwd",), timeout_s=300)
     budgets: list[float | None] = []
 
     def searcher(config: SearchConfig, progress: Progress) -> SearchResult:
@@ -246,7 +262,7 @@ def test_a_rerun_skips_finished_workloads_and_exports_again(tuned: dict[str, Any
 
 
 def test_an_interrupted_tune_resumes_the_interrupted_workload(tmp_path: Path) -> None:
-    tp = tune.plan(TINY, SM90, name="cut", trials=5, spaces=MMA)
+    tp = tune.plan(TINY, SM90, name="cut", kinds=("fwd",), trials=5, spaces=MMA)
     second = tp.parts[1].study
     first = tune.tune(tp, store=store_url(tmp_path), searcher=fake_search({second}),
                       stream=io.StringIO(), spaces=MMA)
@@ -379,7 +395,7 @@ def test_the_command_tunes_resumes_and_exports(tmp_path: Path,
         "architectures": ["LlamaForCausalLM"], "num_attention_heads": 4,
         "num_key_value_heads": 2, "hidden_size": 256, "max_position_embeddings": 1024,
         "torch_dtype": "float16"}))
-    argv = ["tune", str(folder / "config.json"), "--trials", "4", "--space", MMA[0],
+    argv = ["tune", str(folder / "config.json"), "--kinds", "fwd", "--trials", "4", "--space", MMA[0],
             "--store", str(tmp_path / "evo.db"), "-o", str(tmp_path / "tiny.py")]
     assert main(argv) == 0
     out, err = capsys.readouterr()

@@ -177,7 +177,9 @@ class Decode(Problem):
     def tune_workloads(self, geometry: ModelGeometry) -> list[DecodeWorkload]:
         """A model's decode steps for ``evoengine tune``: one new token per sequence against a
         paged cache (64-key pages) of 4K, 32K and the model's longest context (those up to
-        it), at batch 1 and 8 where K and V fit TUNE_MAX_KV_BYTES."""
+        it), at batch 1 and 8 where K and V fit TUNE_MAX_KV_BYTES; none for an encoder."""
+        if not geometry.causal:
+            return []  # an encoder has no cache to decode against
         caches = sorted({c for c in (4096, 32768) if c < geometry.max_seq} | {geometry.max_seq})
         calls = []
         for cache in caches:
