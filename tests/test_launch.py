@@ -798,7 +798,11 @@ def test_a_kernel_that_serves_checks_alignment_even_with_a_fallback(served: Serv
     assert served.launches == ["fwd"]  # 0/1 and numpy scalars are taken
 
 
-def test_explain_takes_empty_dims() -> None:
+def test_explain_takes_empty_dims_and_refuses_what_the_call_would() -> None:
     attention = TunedAttention([kernel()], [E(512)], namespace="evotest_explain_empty")
     q = torch.empty(0, 8, 0, 64, dtype=torch.float16, device="meta")
-    assert attention.explain(q, q, q).entry == E(512)
+    assert attention.explain(q, q, q).entry == E(512)  # was a math domain error
+    with pytest.raises(TypeError, match="^q must be a torch.Tensor, got list$"):
+        attention.explain([0.0], q, q)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="^causal must be a bool, got str 'no'$"):
+        attention.explain(q, q, q, causal="no")  # type: ignore[arg-type]

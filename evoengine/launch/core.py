@@ -102,6 +102,13 @@ def check_shared(names: str, *tensors: Tensor) -> None:
         raise ValueError(f"{names} must be on one device, got {', '.join(map(str, devices))}")
 
 
+def check_fallback(fallback: object) -> None:
+    """What serves a call that no tuned kernel fits: ``None`` (``NoKernelError``) or
+    ``"sdpa"``."""
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be None or 'sdpa', got {fallback!r}")
+
+
 def check_flag(name: str, value: object) -> bool:
     """A bool (or 0/1): ``causal="no"`` would otherwise be truthy, silently causal."""
     if isinstance(value, bool):
@@ -170,7 +177,8 @@ def check_out(out: Tensor | None, q: Tensor, lse: Tensor | None, p: Problem) -> 
         if (lse.shape != (p.batch, p.heads, p.seq_q) or lse.dtype != torch.float32
                 or not lse.is_contiguous() or lse.device != q.device):
             raise ValueError(f"lse must be a contiguous float32 [{p.batch}, {p.heads}, "
-                             f"{p.seq_q}] on {q.device}, got {tuple(lse.shape)} {lse.dtype}")
+                             f"{p.seq_q}] on {q.device}, got {tuple(lse.shape)} {lse.dtype} "
+                             f"on {lse.device}")
 
 
 def softmax_scale(scale: object, head_dim: int) -> float:

@@ -39,7 +39,6 @@ from torch import Tensor
 
 from evoengine.launch.core import (
     DTYPE_NAMES,
-    FALLBACKS,
     KERNEL_DTYPES,
     LOG2E,
     MAX_GRID_YZ,
@@ -47,6 +46,7 @@ from evoengine.launch.core import (
     ParamBuffer,
     check_aligned,
     check_dtype,
+    check_fallback,
     check_flag,
     check_grid_dims,
     check_shared,
@@ -401,8 +401,7 @@ class TunedDecode:
                  check: bool = True) -> Tensor:
         """Decode attention (module docstring); [batch, q_len, q_heads, D], contiguous.
         ``fallback='sdpa'`` runs ``sdpa_decode`` where no tuned kernel fits."""
-        if fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be None or 'sdpa', got {fallback!r}")
+        check_fallback(fallback)
         shape = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table,
                                     any_float=fallback is not None, aligned=fallback is None)
         if check:

@@ -14,10 +14,10 @@ from torch import Tensor
 
 from evoengine.launch.core import (
     DTYPE_NAMES,
-    FALLBACKS,
     NoKernelError,
     Problem,
     check_aligned,
+    check_fallback,
     check_flag,
     check_grid,
     check_inputs,
@@ -135,8 +135,7 @@ class TunedAttention:
     def _plan(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None,
               fallback: str | None) -> tuple[Problem, bool, float, CudaKernel | None]:
         """A forward call's checked shapes, causal flag, scale and kernel (None: SDPA)."""
-        if fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be None or 'sdpa', got {fallback!r}")
+        check_fallback(fallback)
         p = check_inputs(q, k, v, any_float=fallback is not None, aligned=fallback is None)
         check_grid(p)
         causal = check_flag("causal", causal)
@@ -210,8 +209,7 @@ class TunedAttention:
         ``NoKernelError`` naming what is missing. ``deterministic`` defaults to
         ``torch.are_deterministic_algorithms_enabled()``.
         """
-        if fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be None or 'sdpa', got {fallback!r}")
+        check_fallback(fallback)
         p = check_inputs(q, k, v, any_float=fallback is not None, aligned=fallback is None)
         causal = check_flag("causal", causal)
         if lse.numel() == 0 and fallback is None:  # the op was called with with_lse=False
@@ -278,8 +276,7 @@ class TunedAttention:
         cu_seqlens hold, read back to the host (one sync per call): ``check=False`` skips it.
         Eager only (no autograd, no torch.compile).
         """
-        if fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be None or 'sdpa', got {fallback!r}")
+        check_fallback(fallback)
         p = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, values=check, any_float=fallback is not None,
                                 aligned=fallback is None)

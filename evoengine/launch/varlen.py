@@ -30,6 +30,7 @@ from evoengine.launch.core import (
     check_tensor,
     launch_in_context,
     raw_stream,
+    rows_aligned,
     sdpa_attention,
     sm_count,
     softmax_scale,
@@ -154,10 +155,9 @@ def check_varlen_out(out: Tensor, lse: Tensor | None, q: Tensor, p: VarlenProble
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
-    s = out.stride()
-    if aligned and (s[2] != 1 or s[0] % 8 or s[1] % 8 or out.data_ptr() % 16):
+    if aligned and not rows_aligned(out):
         raise ValueError(f"out must have a contiguous last dim and 16-byte aligned rows, got "
-                         f"strides {s}")
+                         f"strides {out.stride()}")
     if lse is not None and not isinstance(lse, Tensor):
         raise TypeError(f"lse must be a torch.Tensor or None, got {type(lse).__name__}")
     if lse is not None and (lse.shape != (p.heads, p.total_q) or lse.dtype != torch.float32
