@@ -411,8 +411,6 @@ def replayed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (("export", "best", "--arch", "sm_90a", "--store", "corrupt.db"), "file is not a database"),
     (("list", "--store", "corrupt.db"), "file is not a database"),
     (("tune", "folder", "--dry-run"), "folder is a folder without a config.json"),
-    (("tune", "--q-heads", "8", "--head-dim", "64", "--kinds", "varlen", "--dry-run",
-      "--arch", "sm_90a"), "tune plans no varlen workloads"),
 ])
 def test_what_a_command_cannot_read_or_write_is_one_line(replayed: Path, args: tuple[str, ...],
                                                          message: str) -> None:

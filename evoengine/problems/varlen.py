@@ -33,7 +33,6 @@ from evoengine.workload import DTYPES
 
 if TYPE_CHECKING:
     from evoengine.compile import CompileResult
-    from evoengine.geometry import ModelGeometry
     from evoengine.measure import Timing
     from evoengine.render import Candidate
     from evoengine.validate import Verdict
@@ -262,13 +261,6 @@ class Varlen(Problem):
 
     def workload_from_key(self, key: str) -> VarlenWorkload:
         return VarlenWorkload.from_key(key)
-
-    def tune_workloads(self, geometry: ModelGeometry) -> list[VarlenWorkload]:
-        """None from a geometry alone: a ragged batch's lengths are the workload (the
-        base's prefill ladder is not one), so ``evoengine tune`` refuses the kind."""
-        raise ValueError("tune plans no varlen workloads (a ragged batch's lengths are its "
-                         "own): search one with `evoengine search --kind varlen --seqlens ...`, "
-                         "or tune fwd, bwd, decode")
 
     def add_arguments(self, parser: argparse.ArgumentParser | Any) -> None:
         # The forward's flags (--shape, --kv-heads, --causal, --dtype) are shared; a varlen
