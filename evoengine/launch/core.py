@@ -83,23 +83,29 @@ def check_aligned(name: str, t: Tensor, *, pointers: bool = True) -> None:
     strides multiples of 8 elements, a 16-byte aligned start (``pointers=False``: fake
     tensors have none). A head dim that is not a multiple of 8 is named as such."""
     strides = t.stride()
+    # On every eager call: one gcd for "all multiples of 8" (an expanded dim's 0 is one).
+    if (strides[-1] == 1 and not math.gcd(*strides[:-1]) % 8
+            and not (pointers and t.data_ptr() % 16)):
+        return
     if strides[-1] != 1:
         raise ValueError(f"{name} must have a contiguous last dim, got strides {strides}")
     if t.shape[-1] % 8:
         raise ValueError(f"{name}'s head_dim ({t.shape[-1]}) must be a multiple of 8 for the "
                          "kernels (fallback='sdpa' runs SDPA for it)")
-    if any(s % 8 for s in strides[:-1]) or (pointers and t.data_ptr() % 16):
-        raise ValueError(f"{name} must be 16-byte aligned with strides a multiple of 8 "
-                         f"elements, got strides {strides}")
+    raise ValueError(f"{name} must be 16-byte aligned with strides a multiple of 8 "
+                     f"elements, got strides {strides}")
 
 
 def check_shared(names: str, *tensors: Tensor) -> None:
     """One dtype and one device for ``tensors`` (``names`` says which, e.g. "q, k, v")."""
-    dtypes, devices = [t.dtype for t in tensors], [t.device for t in tensors]
-    if len(set(dtypes)) > 1:
-        raise ValueError(f"{names} must share a dtype, got {', '.join(map(str, dtypes))}")
-    if len(set(devices)) > 1:
-        raise ValueError(f"{names} must be on one device, got {', '.join(map(str, devices))}")
+    dtype, device = tensors[0].dtype, tensors[0].device
+    for t in tensors[1:]:
+        if t.dtype != dtype:
+            raise ValueError(f"{names} must share a dtype, got "
+                             f"{', '.join(str(t.dtype) for t in tensors)}")
+        if t.device != device:
+            raise ValueError(f"{names} must be on one device, got "
+                             f"{', '.join(str(t.device) for t in tensors)}")
 
 
 def check_fallback(fallback: object) -> None:
@@ -187,7 +193,8 @@ def softmax_scale(scale: object, head_dim: int) -> float:
     converted (float("0.1") would pass here and fail under torch.compile)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+    if type(scale) is not float and (isinstance(scale, bool)
+                                     or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     scale = float(scale)
     if not math.isfinite(scale):

@@ -33,6 +33,7 @@ from evoengine.workload import DTYPES
 
 if TYPE_CHECKING:
     from evoengine.compile import CompileResult
+    from evoengine.geometry import ModelGeometry
     from evoengine.measure import Timing
     from evoengine.render import Candidate
     from evoengine.validate import Verdict
