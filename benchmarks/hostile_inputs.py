@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from evoengine import launch as sa  # noqa: E402
 from evoengine import paths  # noqa: E402
-from evoengine.compile import compile_candidate  # noqa: E402
+from evoengine.compile import compile_many  # noqa: E402
 from evoengine.problems import problem  # noqa: E402
 from evoengine.render import make_candidate  # noqa: E402
 from evoengine.runtime import gpu_arch  # noqa: E402
@@ -46,24 +46,23 @@ DECODE_POINT = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
                     L2_PREFETCH=256, SPLIT_POLICY="waves", SPLITS=1)
 
 
-def build(kind: str, family: str, point: dict, prob: dict) -> Any:
-    arch = gpu_arch()
-    space = SearchSpace.load(paths.SPACES / f"{family}.toml")
-    cand = make_candidate(space, point, prob, arch)
-    return problem(kind).load(cand, compile_candidate(cand, arch))
-
-
 def entries() -> tuple[Any, Any]:
-    """attention (and its varlen) and attention_decode over one fp16 d64 kernel each."""
-    fwd = build("fwd", "mma", MMA_POINT, {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False})
-    var = build("varlen", "mma", MMA_POINT,
-                {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False, "VARLEN": True})
-    dec = build("decode", "decode", DECODE_POINT, {"HEAD_DIM": 64, "DTYPE": "fp16",
-                                                   "PAGED": True})
+    """attention (and its varlen) and attention_decode over one fp16 d64 kernel each,
+    compiled together for this GPU."""
+    arch = gpu_arch()
+    wanted = [("fwd", "mma", MMA_POINT, {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}),
+              ("varlen", "mma", MMA_POINT,
+               {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False, "VARLEN": True}),
+              ("decode", "decode", DECODE_POINT, {"HEAD_DIM": 64, "DTYPE": "fp16",
+                                                  "PAGED": True})]
+    cands = [make_candidate(SearchSpace.load(paths.SPACES / f"{family}.toml"), point, prob,
+                            arch) for _, family, point, prob in wanted]
+    kernels = [problem(kind).load(cand, compiled) for (kind, *_), cand, compiled
+               in zip(wanted, cands, compile_many(cands, arch), strict=True)]
     table = [sa.Entry(0, "fp16", 64, False, 512, 512, 1, 8),
              sa.Entry(1, "fp16", 64, False, 512, 512, 1, 8, kind="varlen"),
              sa.Entry(2, "fp16", 64, True, 1, 4096, 1, 8, kind="decode")]
-    attention = sa.TunedAttention([fwd, var, dec], table, namespace="evohostile")
+    attention = sa.TunedAttention(kernels, table, namespace="evohostile")
     return attention, sa.TunedDecode(attention.kernels, table)
 
 
