@@ -1,7 +1,8 @@
 """The ``evoengine`` command: a thin layer over the Python API.
 
 Every subcommand turns a user mistake (bad arch, bad shape, bad option value, missing file
-or store, no GPU) into one line on stderr and exit status 2; tracebacks are for bugs only.
+or store, a folder or unwritable path for a file, no GPU) into one line on stderr and exit
+status 2; tracebacks are for bugs only.
 Every ``--store`` is named the same way (``evoengine.store.resolve_url``: a path to a SQLite
 file or a SQLAlchemy URL); commands that only read refuse a store that does not exist.
 """
@@ -271,6 +272,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise UsageError(f"--kind {args.kind} searches {args.kind} spaces, not "
                          + ", ".join(wrong))
     store = resolve_url(args.store or (paths.REPLAY_STORE if args.replay else None))
+    if args.json:
+        paths.output_file(args.json, "--json file")
     run_kw: dict = {}
     if args.replay:
         workload, arch, run_kw = _replay(args, spaces)
@@ -312,6 +315,7 @@ def cmd_search(args: argparse.Namespace) -> int:
           + (f"; {rate:.0f} evals/min" if rate else "")
           + (f" ({per_gpu})" if len(t.per_gpu) > 1 else ""), file=sys.stderr)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result.evidence(), indent=1) + "\n")
     return 130 if result.status == "interrupted" else 0
 
@@ -693,7 +697,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"evoengine: {e}", file=sys.stderr)
         return 2
-    except (ValueError, KeyError, FileNotFoundError) as e:  # SpaceError is a ValueError
+    except (ValueError, KeyError, OSError) as e:  # SpaceError is a ValueError
+        # OSError: a file that is missing, a folder, not ours to read or write.
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"evoengine: {msg}", file=sys.stderr)
         return 2

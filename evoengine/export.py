@@ -361,15 +361,19 @@ def export_best(store: str | os.PathLike[str] | None, arch: Arch | str, *, study
     its head dim that nothing was tuned for (``derived_entries``), so every call of that
     head dim finds a kernel."""
     arch = get_arch(arch) if isinstance(arch, str) else arch
+    out = paths.output_file(output, "module")
     with Store(store, create=False) as s:
         found = winners(s, arch, study, tune)
         prov = provenance(s, arch, study, found, tune)
     specs, entries = kernel_specs(found, arch, cover)
     text = render_module(specs, entries, prov)
-    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return Exported(out, arch.name, [spec["name"] for spec in specs], entries)
 
 

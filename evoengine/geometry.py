@@ -102,8 +102,11 @@ class ModelGeometry:
 
 def default_name(path: str | Path) -> str:
     """A tune's default name for a config file: its stem, or its folder's name where the
-    file is the usual ``config.json`` (``Llama-3-8B/config.json`` -> ``Llama-3-8B``)."""
+    file is the usual ``config.json`` (``Llama-3-8B/config.json`` -> ``Llama-3-8B``), or the
+    folder's name where given a folder."""
     p = Path(path)
+    if p.is_dir():
+        return p.resolve().name
     if p.stem == "config" and p.resolve().parent.name:
         return p.resolve().parent.name
     return p.stem
@@ -115,6 +118,11 @@ def from_config(path: str | Path, *, max_seq: int | None = None, dtype: str | No
     """The geometry of the Transformers config at ``path``; the keywords, where given,
     override what the file says (the CLI's flags)."""
     p = Path(path)
+    if p.is_dir():  # a model's folder, as Transformers takes it
+        if not (p / "config.json").is_file():
+            raise ValueError(f"{p} is a folder without a config.json: pass the model's "
+                             "config.json")
+        p = p / "config.json"
     try:
         data = json.loads(p.read_text())
     except FileNotFoundError:

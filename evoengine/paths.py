@@ -33,6 +33,21 @@ def family_dir(family: str) -> Path | None:
     return None
 
 
+def output_file(path: str | os.PathLike[str], what: str = "output") -> Path:
+    """``path`` as a file a command will write: refused (``ValueError``, one line) where it is
+    a folder or under something that is not one, so that a long run does not end on it.
+    Missing parent folders are fine: the writers create them."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"the {what} {p} is a folder: name a file (in it, or elsewhere)")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"the {what} {p} cannot be written: {parent} is not a folder")
+            break
+    return p
+
+
 def cache_dir() -> Path:
     """The on-disk compile cache, shared by every process of this user."""
     base = os.environ.get("EVOENGINE_CACHE") or os.path.join(

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from evoengine import paths
 from evoengine.arch import Arch
 from evoengine.geometry import ModelGeometry
 from evoengine.problems import PROBLEMS, Rate, Workload, problem, problem_of
@@ -264,6 +265,8 @@ def tune(tp: TunePlan, *, store: str | None = None, output: str | Path | None = 
     export). ``options`` are further ``SearchConfig`` fields (seed, workers, devices...);
     ``searcher`` defaults to ``evoengine.search.search``."""
     stream = stream if stream is not None else sys.stderr
+    if output is not None:  # refused now, not after the searches
+        paths.output_file(output, "module")
     run = searcher or (lambda config, progress: search(config, progress=progress))
     result = TuneResult(tp, "done")
     deadline = None if tp.timeout_s is None else time.monotonic() + tp.timeout_s

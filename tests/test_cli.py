@@ -382,3 +382,43 @@ def test_search_names_a_decode_workload_by_its_own_flags() -> None:
                env={"CUDA_VISIBLE_DEVICES": ""})
     one_line(done, "no search space admits decode-b1-q1-h32-kv8-d72-c4096-paged64-fp16")
     assert "needs a CUDA GPU" not in done.stderr
+
+
+# ---- files a command writes, stores that are not stores (the audit of 2026-11-24) ----------
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store with one replayed search in it (no GPU)."""
+    root = tmp_path_factory.mktemp("replayed")
+    record = sorted((ROOT / "tests" / "data").glob("sweep-*.json.gz"))[0]
+    done = run("search", "--replay", str(record), "--store", str(root / "evo.db"), "--trials",
+               "2", env={"EVOENGINE_CACHE": str(root / "cache")})
+    assert done.returncode == 0, done.stderr
+    (root / "folder").mkdir()
+    (root / "file").write_text("")
+    (root / "corrupt.db").write_text("not a database")
+    return root
+
+
+@pytest.mark.parametrize("args,message", [
+    (("report", "-o", "folder"), "the report folder is a folder"),
+    (("report", "-o", "file/page.html"), "cannot be written: file is not a folder"),
+    (("export", "best", "--arch", "sm_90a", "-o", "folder"), "the module folder is a folder"),
+    (("export", "best", "--arch", "sm_90a", "-o", "file/m.py"), "file is not a folder"),
+    (("search", "--replay", "{record}", "--trials", "1", "--json", "folder"),
+     "the --json file folder is a folder"),  # before searching, not after
+    (("report", "--store", "corrupt.db"), "file is not a database"),
+    (("export", "best", "--arch", "sm_90a", "--store", "corrupt.db"), "file is not a database"),
+    (("list", "--store", "corrupt.db"), "file is not a database"),
+    (("tune", "folder", "--dry-run"), "folder is a folder without a config.json"),
+])
+def test_what_a_command_cannot_read_or_write_is_one_line(replayed: Path, args: tuple[str, ...],
+                                                         message: str) -> None:
+    record = str(sorted((ROOT / "tests" / "data").glob("sweep-*.json.gz"))[0])
+    args = tuple(a.format(record=record) for a in args)
+    store = () if "--store" in args or args[0] == "tune" else ("--store", "evo.db")
+    one_line(run(*args, *store, cwd=replayed, env={"EVOENGINE_CACHE": str(replayed / "cache")}),
+             message)
+    assert not list(replayed.glob(".*.tmp"))  # an export that failed leaves no temporary
+    with Store(f"sqlite:///{replayed / 'evo.db'}", create=False) as s:
+        assert len(s.runs()) == 1  # nothing searched

@@ -9,11 +9,13 @@ they are CUDA), so what reaches the backward kernel and what comes back is check
 from __future__ import annotations
 
 import ast
+import math
 import struct
 import sys
 import types
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -534,3 +536,273 @@ def test_sdpa_fallback_takes_a_negative_scale_and_zeroes_rows_that_see_no_key(sq
         out = sdpa_attention(q, k, v, causal=True, scale=scale)
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
         assert bool((out[:, :, :max(0, sq - sk)] == 0).all())
+
+
+# ---- a hostile caller: every entry of an exported module, refused in one line ------------
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0 (device checks between tensors); only checks,
+    which raise before anything is allocated on that device, may be given it."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+
+def fake(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    return cuda_like(torch.zeros(*shape, dtype=dtype))
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(OnDevice)
+
+
+def ints(*values: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return cuda_like(torch.tensor(values, dtype=dtype))
+
+
+class Served:
+    """attention, attention_varlen and attention_decode as an exported module binds them,
+    over fp16 head-dim-64 kernels whose launches are recorded instead of run."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.launches: list[str] = []
+        common = dict(head_dim=64, dtype="fp16", block_m=64, threads=128, smem_bytes=8192,
+                      source="// never compiled here")
+        fwd = CudaKernel("f", causal=False, **common)  # type: ignore[arg-type]
+        var = sa.varlen.CudaVarlenKernel("v", causal=False, **common)  # type: ignore[arg-type]
+        dec = sa.CudaDecode("d", paged=True, block_n=64, split_policy="fixed", splits=1,
+                            **{**common, "block_m": 16})  # type: ignore[arg-type]
+        for k in (fwd, var, dec):
+            monkeypatch.setattr(k, "load", lambda index: None)
+            monkeypatch.setattr(k, "launch", lambda *a, name=k.kind, **kw:
+                                self.launches.append(name))
+        entries = [sa.Entry(0, "fp16", 64, False, 512, 512, 1, 8),
+                   sa.Entry(1, "fp16", 64, False, 512, 512, 1, 8, kind="varlen"),
+                   sa.Entry(2, "fp16", 64, True, 1, 4096, 1, 8, kind="decode")]
+        self.attention = TunedAttention([fwd, var, dec], entries, namespace="evotest_hostile")
+        self.varlen = self.attention.varlen
+        self.decode = sa.TunedDecode(self.attention.kernels, entries)
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> Served:
+    return Served(monkeypatch)
+
+
+Q, KV = (2, 8, 128, 64), (2, 2, 128, 64)
+PQ, PKV, CU_Q, CU_K = (30, 8, 64), (40, 2, 64), (0, 10, 30), (0, 15, 40)
+DQ, PAGES = (2, 1, 8, 64), (10, 16, 2, 64)
+F8 = torch.float8_e4m3fn
+TABLE = ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def attention_call(**over: object) -> tuple[tuple, dict]:
+    args = dict(q=fake(*Q), k=fake(*KV), v=fake(*KV))
+    kw = {k: over.pop(k) for k in ("causal", "scale", "fallback", "out", "lse") if k in over}
+    args.update(over)
+    return (args["q"], args["k"], args["v"]), kw
+
+
+def varlen_call(**over: object) -> tuple[tuple, dict]:
+    args = dict(q=fake(*PQ), k=fake(*PKV), v=fake(*PKV), cu_q=ints(*CU_Q), cu_k=ints(*CU_K),
+                max_q=20, max_k=25)
+    kw = {k: over.pop(k) for k in ("causal", "scale", "fallback", "out", "lse", "check")
+          if k in over}
+    args.update(over)
+    return tuple(args.values()), kw
+
+
+def decode_call(**over: object) -> tuple[tuple, dict]:
+    args = dict(q=fake(*DQ), k=fake(*PAGES), v=fake(*PAGES), lens=ints(20, 30),
+                table=cuda_like(torch.tensor(TABLE, dtype=torch.int32)))
+    kw = {k: over.pop(k) for k in ("causal", "scale", "fallback") if k in over}
+    args.update(over)
+    return tuple(args.values()), kw
+
+
+def misaligned(*shape: int) -> torch.Tensor:
+    n = math.prod(shape)
+    return cuda_like(torch.zeros(n + 1, dtype=torch.float16)[1:].view(*shape))
+
+
+HOSTILE = [  # (entry, the call's changes, error, message)
+    # attention
+    ("attention", dict(q=fake(8, 128, 64)), ValueError, r"q must be 4-D \[batch, heads"),
+    ("attention", dict(q=fake(*Q, dtype=torch.float32)), ValueError,
+     "q must be float16 or bfloat16, got torch.float32"),
+    ("attention", dict(q=fake(*Q, dtype=F8), k=fake(*KV, dtype=F8), v=fake(*KV, dtype=F8),
+                       fallback="sdpa"), ValueError,
+     "q must be float16, bfloat16, float32 or float64, got torch.float8_e4m3fn"),
+    ("attention", dict(k=fake(*KV, dtype=torch.bfloat16)), ValueError, "share a dtype"),
+    ("attention", dict(q=torch.zeros(*Q, dtype=torch.float16)), ValueError,
+     "q must be a CUDA tensor, got device cpu"),
+    ("attention", dict(q=on_device(torch.zeros(*Q, dtype=torch.float16)),
+                       k=on_device(torch.zeros(*KV, dtype=torch.float16)),
+                       v=torch.zeros(*KV, dtype=torch.float16)), ValueError,
+     "v must be a CUDA tensor"),
+    ("attention", dict(k=fake(2, 3, 128, 64), v=fake(2, 3, 128, 64)), ValueError,
+     r"query heads \(8\) must be a multiple of key/value heads \(3\)"),
+    ("attention", dict(q=fake(2, 8, 128, 72), k=fake(2, 2, 128, 72), v=fake(2, 2, 128, 72)),
+     NoKernelError, "no tuned kernel for torch.float16 head_dim 72"),
+    ("attention", dict(q=fake(2, 8, 128, 4), k=fake(2, 2, 128, 4), v=fake(2, 2, 128, 4)),
+     ValueError, r"q's head_dim \(4\) must be a multiple of 8"),
+    ("attention", dict(q=fake(2, 8, 128, 512), k=fake(2, 2, 128, 512), v=fake(2, 2, 128, 512)),
+     NoKernelError, "no tuned kernel for torch.float16 head_dim 512"),
+    ("attention", dict(q=fake(0, 8, 128, 64), k=fake(0, 2, 128, 64), v=fake(0, 2, 128, 64)),
+     ValueError, r"q is empty: shape \(0, 8, 128, 64\) \(every dim must be >= 1\)"),
+    ("attention", dict(k=fake(2, 2, 0, 64), v=fake(2, 2, 0, 64)), ValueError, "k is empty"),
+    ("attention", dict(q=fake(2, 8, 128, 128)[..., ::2]), ValueError,
+     "q must have a contiguous last dim"),
+    ("attention", dict(q=misaligned(*Q)), ValueError, "q must be 16-byte aligned"),
+    ("attention", dict(scale=math.nan), ValueError, "scale must be finite, got nan"),
+    ("attention", dict(scale="0.1"), TypeError, "scale must be a float or None, got str"),
+    ("attention", dict(scale=torch.tensor(0.1)), TypeError, "scale must be a float or None"),
+    ("attention", dict(causal="no"), TypeError, "causal must be a bool, got str 'no'"),
+    ("attention", dict(causal=None), TypeError, "causal must be a bool, got NoneType"),
+    ("attention", dict(fallback="SDPA"), ValueError, "fallback must be None or 'sdpa'"),
+    ("attention", dict(q=fake(1, 70000, 1, 64), k=fake(1, 70000, 1, 64),
+                       v=fake(1, 70000, 1, 64)), ValueError, "at most 65535"),
+    ("attention", dict(q=None), TypeError, "q must be a torch.Tensor, got NoneType"),
+    ("forward", dict(out=fake(2, 8, 128, 32)), ValueError, "out must match q"),
+    ("forward", dict(out=[0.0]), TypeError, "out must be a torch.Tensor or None, got list"),
+    ("forward", dict(lse=fake(2, 8, 128)), ValueError,
+     r"lse must be a contiguous float32 \[2, 8, 128\]"),  # given alone: once written unchecked
+    ("forward", dict(lse=[0.0]), TypeError, "lse must be a torch.Tensor or None, got list"),
+    # attention_varlen
+    ("varlen", dict(q=fake(1, *PQ)), ValueError, r"q must be 3-D \[total, heads, head_dim\]"),
+    ("varlen", dict(k=fake(*PKV, dtype=torch.bfloat16)), ValueError, "share a dtype"),
+    ("varlen", dict(q=torch.zeros(*PQ, dtype=torch.float16)), ValueError,
+     "q must be a CUDA tensor"),
+    ("varlen", dict(k=fake(40, 3, 64), v=fake(40, 3, 64)), ValueError,
+     r"query heads \(8\) must be a multiple of kv heads \(3\)"),
+    ("varlen", dict(q=fake(30, 0, 64)), ValueError, "q must have heads >= 1 and head_dim >= 1"),
+    ("varlen", dict(q=fake(30, 8, 4), k=fake(40, 2, 4), v=fake(40, 2, 4)), ValueError,
+     r"q's head_dim \(4\) must be a multiple of 8"),
+    ("varlen", dict(q=fake(30, 8, 72), k=fake(40, 2, 72), v=fake(40, 2, 72)), NoKernelError,
+     "no tuned varlen kernel for torch.float16 head_dim 72"),
+    ("varlen", dict(q=misaligned(*PQ)), ValueError, "q must be 16-byte aligned"),
+    ("varlen", dict(scale="0.1"), TypeError, "scale must be a float or None"),
+    ("varlen", dict(causal="no"), TypeError, "causal must be a bool"),
+    ("varlen", dict(cu_q=ints(*CU_Q, dtype=torch.int64)), ValueError,
+     "cu_seqlens_q must be int32, got torch.int64"),
+    ("varlen", dict(cu_q=[0, 10, 30]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
+    ("varlen", dict(q=on_device(torch.zeros(*PQ, dtype=torch.float16)),
+                    k=on_device(torch.zeros(*PKV, dtype=torch.float16)),
+                    v=on_device(torch.zeros(*PKV, dtype=torch.float16)),
+                    cu_q=torch.tensor(CU_Q, dtype=torch.int32),
+                    cu_k=on_device(torch.tensor(CU_K, dtype=torch.int32))), ValueError,
+     "cu_seqlens_q must be on cuda:0 with q, got cpu"),
+    ("varlen", dict(cu_q=ints(0, 20, 10, 30), cu_k=ints(0, 15, 15, 40)), ValueError,
+     "cu_seqlens_q must start at 0 and never decrease"),
+    ("varlen", dict(cu_q=ints(0, 10, 20)), ValueError,
+     "cu_seqlens_q must end at the packed length 30, got 20"),
+    ("varlen", dict(cu_k=ints(0, 15, 99), max_k=99), ValueError,
+     "cu_seqlens_k must end at the packed length 40, got 99"),  # past the tensor
+    ("varlen", dict(cu_q=ints(0), cu_k=ints(0)), ValueError, r"\[batch \+ 1\] tensor, batch >= 1"),
+    ("varlen", dict(cu_k=ints(0, 40)), ValueError, "must both be"),
+    ("varlen", dict(max_q=19), ValueError,
+     r"max_seqlen_q \(19\) is smaller than a sequence of length 20"),
+    ("varlen", dict(max_k=-1), ValueError, r"max_seqlen_k must be an int in \[0, 2\*\*31\)"),
+    ("varlen", dict(max_q=2**31), ValueError, r"max_seqlen_q must be an int in \[0, 2\*\*31\)"),
+    ("varlen", dict(max_q=20.0), ValueError, "max_seqlen_q must be an int"),
+    ("varlen", dict(out=[0.0]), TypeError, "out must be a torch.Tensor or None"),
+    ("varlen", dict(lse=fake(30, 8)), ValueError, r"lse must be a contiguous float32 \[8, 30\]"),
+    # attention_decode
+    ("decode", dict(q=fake(2, 8, 64)), ValueError, r"q must be 4-D \[batch, q_len, q_heads"),
+    ("decode", dict(k=fake(10, 16, 2, 64, dtype=torch.bfloat16)), ValueError, "share a dtype"),
+    ("decode", dict(q=torch.zeros(*DQ, dtype=torch.float16)), ValueError, "one CUDA device"),
+    ("decode", dict(k=fake(10, 16, 3, 64), v=fake(10, 16, 3, 64)), ValueError,
+     "must be a multiple of kv heads"),
+    ("decode", dict(q=fake(2, 1, 8, 4), k=fake(10, 16, 2, 4), v=fake(10, 16, 2, 4)),
+     ValueError, r"q's head_dim \(4\) must be a multiple of 8"),
+    ("decode", dict(q=fake(0, 1, 8, 64), lens=ints(), table=fake(0, 4, dtype=torch.int32)),
+     ValueError, "must not be empty"),
+    ("decode", dict(q=fake(2, 17, 8, 64)), ValueError, "q_len must be at most 16"),
+    ("decode", dict(scale="0.1"), TypeError, "scale must be a float or None"),
+    ("decode", dict(causal="no"), TypeError, "causal must be a bool"),
+    ("decode", dict(lens=ints(20, 30, dtype=torch.int64)), ValueError,
+     "cache_seqlens must be a contiguous int32"),
+    ("decode", dict(lens=ints(20, 65)), ValueError,
+     r"cache_seqlens must lie in \[0, max_pages x page_size = 64\]"),
+    ("decode", dict(lens=ints(-1, 30)), ValueError, "cache_seqlens must lie in"),
+    ("decode", dict(table=cuda_like(torch.tensor(((0, 1, 2, 3), (4, 10, 6, 7)),
+                                                 dtype=torch.int32))), ValueError,
+     r"block_table entries within a sequence's length must lie in \[0, num_pages = 10\)"),
+    ("decode", dict(table=cuda_like(torch.tensor(((0, -1, 2, 3), (4, 5, 6, 7)),
+                                                 dtype=torch.int32))), ValueError,
+     "block_table entries"),
+    ("decode", dict(table=cuda_like(torch.tensor(TABLE))), ValueError, "block_table must be int32"),
+    ("decode", dict(k=fake(10, 12, 2, 64), v=fake(10, 12, 2, 64)), ValueError,
+     "page_size .* must be a power of 2, got 12"),
+    ("decode", dict(fallback="x"), ValueError, "fallback must be None or 'sdpa'"),
+]
+
+
+@pytest.mark.parametrize(("entry", "over", "error", "message"), HOSTILE,
+                         ids=[f"{h[0]}-{i}" for i, h in enumerate(HOSTILE)])
+def test_hostile_input_is_one_line_before_any_launch(served: Served, entry: str, over: dict,
+                                                     error: type, message: str) -> None:
+    over = dict(over)
+    if entry in ("attention", "forward"):
+        args, kw = attention_call(**over)
+        call = served.attention if entry == "attention" else served.attention.forward
+    elif entry == "varlen":
+        (args, kw), call = varlen_call(**over), served.varlen
+    else:
+        (args, kw), call = decode_call(**over), served.decode
+    with pytest.raises(error, match=message) as info:
+        call(*args, **kw)
+    assert info.type is error  # not a subclass standing in for it, nor torch's own
+    assert "\n" not in str(info.value)
+    assert served.launches == []
+
+
+def test_the_sdpa_fallback_serves_what_no_kernel_takes(served: Served) -> None:
+    """float32 and head dims no kernel takes run through SDPA with fallback='sdpa', on every
+    entry (a float32 model with padding reaches attention_varlen through Transformers)."""
+    f32 = torch.float32
+    for shape in ((2, 8, 16, 64), (2, 8, 16, 4)):
+        dtype = f32 if shape[-1] == 64 else torch.float16
+        q, kv = fake(*shape, dtype=dtype), fake(2, 2, 16, shape[-1], dtype=dtype)
+        assert served.attention(q, kv, kv, fallback="sdpa").shape == shape
+        assert served.attention(q.requires_grad_(), kv, kv, fallback="sdpa").shape == shape
+    args, _ = varlen_call(q=fake(*PQ, dtype=f32), k=fake(*PKV, dtype=f32), v=fake(*PKV, dtype=f32))
+    assert served.varlen(*args, fallback="sdpa").shape == PQ
+    args, _ = varlen_call(q=fake(30, 8, 4), k=fake(40, 2, 4), v=fake(40, 2, 4))
+    assert served.varlen(*args, fallback="sdpa").shape == (30, 8, 4)
+    args, _ = decode_call(q=fake(*DQ, dtype=f32), k=fake(*PAGES, dtype=f32),
+                          v=fake(*PAGES, dtype=f32))
+    assert served.decode(*args, fallback="sdpa").shape == DQ
+    assert served.launches == []
+
+
+def test_a_kernel_that_serves_checks_alignment_even_with_a_fallback(served: Served) -> None:
+    """The fallback skips alignment only where SDPA serves: a misaligned call that a kernel
+    serves is refused, never launched, with fallback='sdpa' too."""
+    with pytest.raises(ValueError, match="q must be 16-byte aligned"):
+        served.attention.forward(misaligned(*Q), fake(*KV), fake(*KV), fallback="sdpa")
+    args, _ = varlen_call(q=misaligned(*PQ))
+    with pytest.raises(ValueError, match="q must be 16-byte aligned"):
+        served.varlen(*args, fallback="sdpa")
+    args, _ = decode_call(q=misaligned(*DQ))
+    with pytest.raises(ValueError, match="q must be 16-byte aligned"):
+        served.decode(*args, fallback="sdpa")
+    assert served.launches == []
+    served.attention(fake(*Q), fake(*KV), fake(*KV), causal=0, scale=np.float32(0.1))
+    assert served.launches == ["fwd"]  # 0/1 and numpy scalars are taken
+
+
+def test_explain_takes_empty_dims_and_refuses_what_the_call_would() -> None:
+    attention = TunedAttention([kernel()], [E(512)], namespace="evotest_explain_empty")
+    q = torch.empty(0, 8, 0, 64, dtype=torch.float16, device="meta")
+    assert attention.explain(q, q, q).entry == E(512)  # was a math domain error
+    with pytest.raises(TypeError, match="^q must be a torch.Tensor, got list$"):
+        attention.explain([0.0], q, q)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="^causal must be a bool, got str 'no'$"):
+        attention.explain(q, q, q, causal="no")  # type: ignore[arg-type]

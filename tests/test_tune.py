@@ -178,6 +178,20 @@ class Clock:
         return self.now
 
 
+def test_a_module_path_that_cannot_be_written_is_refused_before_searching(
+        tmp_path: Path) -> None:
+    tp = tune.plan(TINY, SM90, name="nowhere", timeout_s=300)
+
+    def searcher(config: SearchConfig, progress: Progress) -> SearchResult:
+        raise AssertionError("searched before refusing the output")
+
+    for output in (tmp_path, tmp_path / "file.txt" / "module.py"):
+        (tmp_path / "file.txt").write_text("")
+        with pytest.raises(ValueError, match="is a folder|is not a folder"):
+            tune.tune(tp, store=store_url(tmp_path), output=output, searcher=searcher,
+                      stream=io.StringIO())
+
+
 def test_each_workload_gets_its_share_of_what_is_left(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()
@@ -369,6 +383,16 @@ def test_dry_run_prints_the_plan_from_a_config(tmp_path: Path,
     assert "Tiny-LM/sm_90a-bwd-b8-h8-kv2-sq2048-sk2048-d64-causal-bf16" in out
 
 
+def test_a_model_folder_names_its_config_and_the_tune(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "Tiny-Model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"num_attention_heads": 8,
+                                                    "hidden_size": 512}))
+    assert main(["tune", str(folder), "--dry-run", "--arch", "sm_90a"]) == 0
+    assert capsys.readouterr().out.startswith("tune Tiny-Model on sm_90a: 8 query heads")
+
+
 def test_flags_name_a_geometry_without_a_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["tune", "--q-heads", "8", "--head-dim", "128", "--max-seq", "1024",
                  "--no-causal", "--dtype", "fp16", "--dry-run", "--arch", "sm_80"]) == 0
@@ -415,6 +439,8 @@ def test_the_command_tunes_resumes_and_exports(tmp_path: Path,
     (["tune", "--q-heads", "8", "--head-dim", "64", "--kinds", "fwd,zzz", "--dry-run",
       "--arch", "sm_90a"], "unknown problem kind 'zzz'"),
     (["tune", "--q-heads", "8", "--head-dim", "64", "--arch", "sm_90a"], "needs a CUDA GPU"),
+    (["tune", str(Path(__file__).parent), "--dry-run"],
+     "tests is a folder without a config.json"),  # was a traceback
 ])
 def test_mistakes_are_one_line(argv: list[str], says: str,
                                capsys: pytest.CaptureFixture[str]) -> None:

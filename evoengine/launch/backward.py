@@ -37,6 +37,7 @@ from evoengine.launch.core import (
     check_grid,
     check_inputs,
     check_like,
+    check_out,
     launch_in_context,
     raw_stream,
     softmax_scale,
@@ -143,13 +144,9 @@ class CudaBackward:
                              f"got causal={bool(causal)}")
         check_like("out", out, q, "q")
         check_like("dout", dout, q, "q")
-        if not isinstance(lse, Tensor):
+        if not isinstance(lse, Tensor):  # required here: what the forward wrote
             raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
-        if (lse.shape != (p.batch, p.heads, p.seq_q) or lse.dtype != torch.float32
-                or not lse.is_contiguous() or lse.device != q.device):
-            raise ValueError(f"lse must be a contiguous float32 [{p.batch}, {p.heads}, "
-                             f"{p.seq_q}] on {q.device}, got {tuple(lse.shape)} {lse.dtype} "
-                             f"on {lse.device}")
+        check_out(None, q, lse, p)
         scale = softmax_scale(scale, p.head_dim)
         new = dict(memory_format=torch.contiguous_format)
         dq = torch.empty_like(q, **new) if dq is None else check_like("dq", dq, q, "q")

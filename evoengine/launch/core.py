@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import numbers
 import struct
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -52,38 +53,95 @@ class Problem(NamedTuple):
     head_dim: int
 
 
+# What the SDPA fallback takes besides the kernels' dtypes.
+FALLBACK_DTYPES = (torch.float32, torch.float64)
+
+
+def check_tensor(name: str, t: object, rank: int, layout: str) -> Tensor:
+    """``t`` a CUDA tensor of ``rank`` dims (``layout`` names them), in one line naming
+    ``name`` and what was expected."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_cuda:
+        raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D {layout}, got {tuple(t.shape)}")
+    return t
+
+
+def check_dtype(name: str, t: Tensor, any_float: bool = False) -> None:
+    """A kernel dtype, or with ``any_float`` (the SDPA fallback) float32/float64 too."""
+    if t.dtype in DTYPE_NAMES or (any_float and t.dtype in FALLBACK_DTYPES):
+        return
+    if any_float:
+        raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+
+
+def check_aligned(name: str, t: Tensor, *, pointers: bool = True) -> None:
+    """What every kernel reads rows with (16-byte copies): a contiguous last dim, the other
+    strides multiples of 8 elements, a 16-byte aligned start (``pointers=False``: fake
+    tensors have none). A head dim that is not a multiple of 8 is named as such."""
+    strides = t.stride()
+    # On every eager call: one gcd for "all multiples of 8" (an expanded dim's 0 is one).
+    if (strides[-1] == 1 and not math.gcd(*strides[:-1]) % 8
+            and not (pointers and t.data_ptr() % 16)):
+        return
+    if strides[-1] != 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got strides {strides}")
+    if t.shape[-1] % 8:
+        raise ValueError(f"{name}'s head_dim ({t.shape[-1]}) must be a multiple of 8 for the "
+                         "kernels (fallback='sdpa' runs SDPA for it)")
+    raise ValueError(f"{name} must be 16-byte aligned with strides a multiple of 8 "
+                     f"elements, got strides {strides}")
+
+
+def check_shared(names: str, *tensors: Tensor) -> None:
+    """One dtype and one device for ``tensors`` (``names`` says which, e.g. "q, k, v")."""
+    dtype, device = tensors[0].dtype, tensors[0].device
+    for t in tensors[1:]:
+        if t.dtype != dtype:
+            raise ValueError(f"{names} must share a dtype, got "
+                             f"{', '.join(str(t.dtype) for t in tensors)}")
+        if t.device != device:
+            raise ValueError(f"{names} must be on one device, got "
+                             f"{', '.join(str(t.device) for t in tensors)}")
+
+
+def check_fallback(fallback: object) -> None:
+    """What serves a call that no tuned kernel fits: ``None`` (``NoKernelError``) or
+    ``"sdpa"``."""
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be None or 'sdpa', got {fallback!r}")
+
+
+def check_flag(name: str, value: object) -> bool:
+    """A bool (or 0/1): ``causal="no"`` would otherwise be truthy, silently causal."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, head_dim: int | None = None,
                  dtype: str | None = None, any_float: bool = False,
-                 pointers: bool = True) -> Problem:
+                 pointers: bool = True, aligned: bool = True) -> Problem:
     """Reject what the kernels cannot take, naming what was expected; return the shapes.
 
-    ``any_float`` lets float32/float64 through (for a fallback that is not a kernel);
-    ``pointers=False`` skips the alignment of the data pointers (fake tensors have none).
+    ``any_float`` lets float32/float64 through and ``aligned=False`` any strides (for the
+    SDPA fallback, which is not a kernel: a kernel chosen after that checks
+    ``check_aligned`` itself); ``pointers=False`` skips the alignment of the data pointers
+    (fake tensors have none).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], "
-                             f"got {tuple(t.shape)}")
-        kernel_dtype = t.dtype in DTYPE_NAMES
-        if not kernel_dtype and not (any_float and t.dtype.is_floating_point):
-            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        check_tensor(name, t, 4, "[batch, heads, seq, head_dim]")
+        check_dtype(name, t, any_float)
         if t.numel() == 0:
-            raise ValueError(f"{name} is empty: shape {tuple(t.shape)}")
-        strides = t.stride()
-        if strides[-1] != 1:
-            raise ValueError(f"{name} must have a contiguous last dim, got strides {strides}")
-        if kernel_dtype and (strides[0] % 8 or strides[1] % 8 or strides[2] % 8
-                             or (pointers and t.data_ptr() % 16)):
-            raise ValueError(f"{name} must be 16-byte aligned with strides a multiple of 8 "
-                             f"elements, got strides {strides}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+            raise ValueError(f"{name} is empty: shape {tuple(t.shape)} (every dim must be >= 1)")
+        if aligned and t.dtype in DTYPE_NAMES:
+            check_aligned(name, t, pointers=pointers)
+    check_shared("q, k, v", q, k, v)
     if dtype is not None and dtype not in KERNEL_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(KERNEL_DTYPES)}, got {dtype!r}")
     if dtype is not None and q.dtype != KERNEL_DTYPES[dtype]:
@@ -108,21 +166,37 @@ def rows_aligned(t: Tensor) -> bool:
     return strides[-1] == 1 and not any(s % 8 for s in strides[:-1]) and not t.data_ptr() % 16
 
 
-def check_out(out: Tensor, q: Tensor, lse: Tensor | None, p: Problem) -> None:
-    """Reject an output buffer (and log-sum-exp buffer) that the kernel cannot write."""
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out must match q: {tuple(q.shape)} {q.dtype} on {q.device}")
-    if not rows_aligned(out):
-        raise ValueError("out must have a contiguous last dim and 16-byte aligned rows")
-    if lse is not None and (lse.shape != (p.batch, p.heads, p.seq_q) or
-                            lse.dtype != torch.float32 or not lse.is_contiguous()
-                            or lse.device != q.device):
-        raise ValueError(f"lse must be a contiguous float32 [{p.batch}, {p.heads}, {p.seq_q}] "
-                         f"on {q.device}")
+def check_out(out: Tensor | None, q: Tensor, lse: Tensor | None, p: Problem) -> None:
+    """Reject an output buffer (and log-sum-exp buffer) that the kernel cannot write; either
+    may be None (not given)."""
+    if out is not None:
+        if not isinstance(out, Tensor):
+            raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(f"out must match q: {tuple(q.shape)} {q.dtype} on {q.device}, "
+                             f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+        if not rows_aligned(out):
+            raise ValueError("out must have a contiguous last dim and 16-byte aligned rows")
+    if lse is not None:
+        if not isinstance(lse, Tensor):
+            raise TypeError(f"lse must be a torch.Tensor or None, got {type(lse).__name__}")
+        if (lse.shape != (p.batch, p.heads, p.seq_q) or lse.dtype != torch.float32
+                or not lse.is_contiguous() or lse.device != q.device):
+            raise ValueError(f"lse must be a contiguous float32 [{p.batch}, {p.heads}, "
+                             f"{p.seq_q}] on {q.device}, got {tuple(lse.shape)} {lse.dtype} "
+                             f"on {lse.device}")
 
 
-def softmax_scale(scale: float | None, head_dim: int) -> float:
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+def softmax_scale(scale: object, head_dim: int) -> float:
+    """The softmax scale of a call: 1/sqrt(head_dim) for None, else a finite real number
+    (negative and zero too: the kernels take them); a string or a tensor is refused, not
+    converted (float("0.1") would pass here and fail under torch.compile)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if type(scale) is not float and (isinstance(scale, bool)
+                                     or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return scale
@@ -258,9 +332,14 @@ def launch_in_context(loaded: Loaded, args: tuple) -> None:
 
 
 def check_grid(p: Problem) -> None:
-    if p.heads > MAX_GRID_YZ or p.batch > MAX_GRID_YZ:
-        raise ValueError(f"batch and heads must be at most {MAX_GRID_YZ} (CUDA grid limit), "
-                         f"got batch {p.batch}, heads {p.heads}")
+    check_grid_dims(p.batch, p.heads)
+
+
+def check_grid_dims(batch: int, heads: int, heads_name: str = "heads") -> None:
+    """The grid's y and z dims (heads and batch) within CUDA's limit."""
+    if heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
+        raise ValueError(f"batch and {heads_name} must be at most {MAX_GRID_YZ} (CUDA grid "
+                         f"limit), got batch {batch}, {heads_name} {heads}")
 
 
 
@@ -304,4 +383,3 @@ def check_like(name: str, t: object, like: Tensor, like_name: str) -> Tensor:
         raise ValueError(f"{name} must have a contiguous last dim and 16-byte aligned rows, "
                          f"got strides {t.stride()}")
     return t
-

@@ -39,12 +39,17 @@ from torch import Tensor
 
 from evoengine.launch.core import (
     DTYPE_NAMES,
-    FALLBACKS,
     KERNEL_DTYPES,
     LOG2E,
     MAX_GRID_YZ,
     NoKernelError,
     ParamBuffer,
+    check_aligned,
+    check_dtype,
+    check_fallback,
+    check_flag,
+    check_grid_dims,
+    check_shared,
     launch_in_context,
     raw_stream,
     sdpa_attention,
@@ -76,18 +81,13 @@ class DecodeShape(NamedTuple):
     num_pages: int  # 0 for a contiguous cache
 
 
-def _decode_aligned(name: str, t: Tensor) -> None:
-    strides = t.stride()
-    if strides[-1] != 1 or any(s % 8 for s in strides[:-1]) or t.data_ptr() % 16:
-        raise ValueError(f"{name} must have a contiguous last dim, strides a multiple of 8 "
-                         f"and a 16-byte aligned start, got strides {strides}")
-
-
 def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                         block_table: Tensor | None = None, *, head_dim: int | None = None,
-                        dtype: str | None = None, paged: bool | None = None) -> DecodeShape:
+                        dtype: str | None = None, paged: bool | None = None,
+                        any_float: bool = False, aligned: bool = True) -> DecodeShape:
     """Reject what the decode kernels cannot take, in one line naming what was expected, and
-    return the shapes. Looks at shapes, dtypes, strides and, last, devices (no sync)."""
+    return the shapes. Looks at shapes, dtypes, strides and, last, devices (no sync).
+    ``any_float`` and ``aligned=False``: as ``check_inputs``'s, for the SDPA fallback."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("cache_seqlens", cache_seqlens)):
         if not isinstance(t, Tensor):
@@ -102,11 +102,8 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
             what = "num_pages, page_size" if block_table is not None else "batch, max_len"
             raise ValueError(f"{name} must be 4-D [{what}, kv_heads, head_dim], "
                              f"got {tuple(t.shape)}")
-    if q.dtype not in DTYPE_NAMES:
-        raise ValueError(f"q must be float16 or bfloat16, got {q.dtype}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, "
-                         f"{k_cache.dtype}, {v_cache.dtype}")
+    check_dtype("q", q, any_float)
+    check_shared("q, k_cache, v_cache", q, k_cache, v_cache)
     if dtype is not None and q.dtype != KERNEL_DTYPES[dtype]:
         raise ValueError(f"this kernel takes {dtype}, got {q.dtype}")
     if k_cache.shape != v_cache.shape:
@@ -114,7 +111,7 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
                          f"and {tuple(v_cache.shape)}")
     batch, q_len, q_heads, d = q.shape
     rows, per_row, kv_heads, kd = k_cache.shape
-    if q.numel() == 0 or k_cache.numel() == 0:
+    if q.numel() == 0 or k_cache.numel() == 0:  # batch, q_len, heads, head_dim, pages
         raise ValueError(f"q and the cache must not be empty, got {tuple(q.shape)} and "
                          f"{tuple(k_cache.shape)}")
     if q_len > MAX_DECODE_Q_LEN:
@@ -127,8 +124,9 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
         raise ValueError(f"this kernel takes head_dim {head_dim}, got {d}")
     if q_heads % kv_heads:
         raise ValueError(f"query heads ({q_heads}) must be a multiple of kv heads ({kv_heads})")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _decode_aligned(name, t)
+    if aligned and q.dtype in DTYPE_NAMES:
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            check_aligned(name, t)
     if (cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,)
             or not cache_seqlens.is_contiguous()):
         raise ValueError(f"cache_seqlens must be a contiguous int32 [{batch}], got "
@@ -152,9 +150,7 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
             raise ValueError(f"page_size (k_cache.shape[1]) must be a power of 2, got {per_row}")
         shape = DecodeShape(batch, q_len, q_heads, kv_heads, d, True, per_row,
                             block_table.shape[1] * per_row, rows)
-    if kv_heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
-        raise ValueError(f"batch and kv heads must be at most {MAX_GRID_YZ}, got {batch}, "
-                         f"{kv_heads}")
+    check_grid_dims(batch, kv_heads, "kv heads")
     tensors = [q, k_cache, v_cache, cache_seqlens] + ([block_table] if block_table is not None
                                                       else [])
     if not q.is_cuda or any(t.device != q.device for t in tensors):
@@ -189,13 +185,15 @@ def check_decode_out(name: str, t: Tensor | None, shape: tuple[int, ...], dtype:
                      device: torch.device, contiguous: bool = False) -> None:
     if t is None:
         return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
         raise ValueError(f"{name} must be {list(shape)} {dtype} on {device}, got "
                          f"{tuple(t.shape)} {t.dtype} on {t.device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     if not contiguous:
-        _decode_aligned(name, t)
+        check_aligned(name, t)
 
 
 def decode_splits(policy: str, splits: int, *, units: int, tiles: int, slots: int) -> int:
@@ -304,6 +302,7 @@ class CudaDecode:
                                     head_dim=self.head_dim, dtype=self.dtype, paged=self.paged)
         if check:
             check_decode_values(shape, cache_seqlens, block_table)
+        causal = check_flag("causal", causal)
         scale = softmax_scale(scale, shape.head_dim)
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -311,7 +310,7 @@ class CudaDecode:
         check_decode_out("lse", lse, (shape.batch, shape.q_heads, shape.q_len), torch.float32,
                          q.device, contiguous=True)
         self.launch(q, k_cache, v_cache, cache_seqlens, block_table, out, lse, shape,
-                    causal=bool(causal), scale=scale)
+                    causal=causal, scale=scale)
         return out
 
     def launch(self, q: Tensor, k: Tensor, v: Tensor, seqlens: Tensor,
@@ -402,13 +401,16 @@ class TunedDecode:
                  check: bool = True) -> Tensor:
         """Decode attention (module docstring); [batch, q_len, q_heads, D], contiguous.
         ``fallback='sdpa'`` runs ``sdpa_decode`` where no tuned kernel fits."""
-        if fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be None or 'sdpa', got {fallback!r}")
-        shape = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
+        check_fallback(fallback)
+        shape = check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table,
+                                    any_float=fallback is not None, aligned=fallback is None)
         if check:
             check_decode_values(shape, cache_seqlens, block_table)
-        entry = self.select(DTYPE_NAMES[q.dtype], shape.head_dim, shape.paged, shape.capacity,
-                            shape.batch)
+        causal = check_flag("causal", causal)
+        scale = softmax_scale(scale, shape.head_dim)
+        dtype = DTYPE_NAMES.get(q.dtype)
+        entry = None if dtype is None else self.select(dtype, shape.head_dim, shape.paged,
+                                                       shape.capacity, shape.batch)
         kernel = None if entry is None else self.kernels[entry.kernel]
         if kernel is not None:
             try:
@@ -427,9 +429,12 @@ class TunedDecode:
                                     "torch SDPA for such calls.")
             return sdpa_decode(q, k_cache, v_cache, cache_seqlens, block_table, causal=causal,
                                scale=scale)
+        if fallback is not None:  # not checked above: SDPA might have served
+            for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+                check_aligned(name, t)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         kernel.launch(q, k_cache, v_cache, cache_seqlens, block_table, out, None, shape,
-                      causal=bool(causal), scale=softmax_scale(scale, shape.head_dim))
+                      causal=causal, scale=scale)
         return out
 
 

@@ -107,7 +107,10 @@ def dispatch_table(entries: Iterable[Entry],
 def nearest(entries: Iterable[Entry], seq_q: int, seq_k: int, rows: int) -> Entry:
     """The entry tuned nearest the call: closest (seq_q, seq_k) in log scale (sum of the
     absolute log ratios); among entries at the same lengths, closest batch x heads. Ties go
-    to the entry listed first (the shorter)."""
+    to the entry listed first (the shorter). Empty dims count as 1 (explain reads any
+    shape)."""
+    seq_q, seq_k, rows = max(1, seq_q), max(1, seq_k), max(1, rows)
+
     def distance(e: Entry) -> tuple[float, float]:
         return (abs(math.log(seq_q / e.seq_q)) + abs(math.log(seq_k / e.seq_k)),
                 abs(math.log(rows / (e.batch * e.heads))))

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from evoengine.launch.core import DTYPE_NAMES
+from evoengine.launch.core import DTYPE_NAMES, check_flag
 from evoengine.launch.dispatch import KINDS, Entry
 
 # The kinds attention's calls dispatch on; decode calls are attention_decode's (TunedDecode).
@@ -64,13 +64,15 @@ def explain_call(tuned: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool = Fal
     """``TunedAttention.explain``: the entry of ``kind`` that ``tuned`` picks for the call."""
     if kind not in EXPLAINED_KINDS:
         raise ValueError(f"kind must be one of {', '.join(EXPLAINED_KINDS)}, got {kind!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D torch.Tensor [batch, heads, seq, "
-                             f"head_dim], got {getattr(t, 'shape', type(t).__name__)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):  # any device: CPU and meta tensors too
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got "
+                             f"{tuple(t.shape)}")
     b, h, sq, d = q.shape
     sk = k.shape[2]
-    causal = bool(causal)
+    causal = check_flag("causal", causal)
     dtype = DTYPE_NAMES.get(q.dtype)
     call = (f"{kind} {dtype or q.dtype} head_dim {d} {'causal' if causal else 'non-causal'} "
             f"b{b} h{h} sq{sq} sk{sk}")

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from evoengine.launch.core import FALLBACKS
+from evoengine.launch.core import check_fallback
 
 # Keyword arguments of Transformers' attention calls that change the result: a kernel that
 # ignored them would be silently wrong.
@@ -109,8 +109,7 @@ def transformers_attention(attention_fn: Callable[..., Tensor], *,
     soft-capping and sinks are refused, or handed to Transformers' SDPA with
     ``fallback='sdpa'``.
     """
-    if fallback not in FALLBACKS:
-        raise ValueError(f"fallback must be None or 'sdpa', got {fallback!r}")
+    check_fallback(fallback)
 
     def evoengine_attention(module: torch.nn.Module, query: Tensor, key: Tensor,
                             value: Tensor, attention_mask: Tensor | None,

@@ -14,9 +14,11 @@ from torch import Tensor
 
 from evoengine.launch.core import (
     DTYPE_NAMES,
-    FALLBACKS,
     NoKernelError,
     Problem,
+    check_aligned,
+    check_fallback,
+    check_flag,
     check_grid,
     check_inputs,
     check_out,
@@ -133,15 +135,17 @@ class TunedAttention:
     def _plan(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None,
               fallback: str | None) -> tuple[Problem, bool, float, CudaKernel | None]:
         """A forward call's checked shapes, causal flag, scale and kernel (None: SDPA)."""
-        if fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be None or 'sdpa', got {fallback!r}")
-        p = check_inputs(q, k, v, any_float=fallback is not None)
+        check_fallback(fallback)
+        p = check_inputs(q, k, v, any_float=fallback is not None, aligned=fallback is None)
         check_grid(p)
-        causal = bool(causal)
+        causal = check_flag("causal", causal)
         scale = softmax_scale(scale, p.head_dim)
         kernel = self._kernel_for(q, p, causal)
         if kernel is None and fallback is None:
             raise NoKernelError(self.no_kernel(q, p.head_dim, causal))
+        if kernel is not None and fallback is not None:  # not checked above: SDPA might serve
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                check_aligned(name, t)
         return p, causal, scale, kernel
 
     @staticmethod
@@ -173,10 +177,10 @@ class TunedAttention:
                 return self._sdpa(q, k, v, causal, scale, bshd)
             check_out(out, q, None, p)
             return out.copy_(sdpa_attention(q, k, v, causal=causal, scale=scale))
+        if out is not None or lse is not None:  # an lse given alone is checked too
+            check_out(out, q, lse, p)
         if out is None:
             out = self._output(q, p, bshd)
-        else:
-            check_out(out, q, lse, p)
         kernel.launch(q, k, v, out, lse, p, scale)
         return out
 
@@ -205,10 +209,9 @@ class TunedAttention:
         ``NoKernelError`` naming what is missing. ``deterministic`` defaults to
         ``torch.are_deterministic_algorithms_enabled()``.
         """
-        if fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be None or 'sdpa', got {fallback!r}")
-        p = check_inputs(q, k, v, any_float=fallback is not None)
-        causal = bool(causal)
+        check_fallback(fallback)
+        p = check_inputs(q, k, v, any_float=fallback is not None, aligned=fallback is None)
+        causal = check_flag("causal", causal)
         if lse.numel() == 0 and fallback is None:  # the op was called with with_lse=False
             raise ValueError("this call's forward kept no log-sum-exp: call the attention op "
                              "with with_lse=True where gradients are wanted")
@@ -251,6 +254,9 @@ class TunedAttention:
                 and type(v) is Tensor and not _dispatch_modes()):
             return self.forward(q, k, v, causal=causal, scale=scale, fallback=fallback,
                                 bshd=bshd)
+        if not compiling:  # the op's schema would refuse these in five lines of its own
+            check_flag("causal", causal)
+            softmax_scale(scale, 1)
         return self._op(q, k, v, causal, scale, fallback, bshd, grad)[0]
 
     def varlen(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -270,15 +276,12 @@ class TunedAttention:
         cu_seqlens hold, read back to the host (one sync per call): ``check=False`` skips it.
         Eager only (no autograd, no torch.compile).
         """
-        if fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be None or 'sdpa', got {fallback!r}")
+        check_fallback(fallback)
         p = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                max_seqlen_k, values=check)
-        causal = bool(causal)
+                                max_seqlen_k, values=check, any_float=fallback is not None,
+                                aligned=fallback is None)
+        causal = check_flag("causal", causal)
         scale = softmax_scale(scale, p.head_dim)
-        if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        check_varlen_out(out, lse, q, p)
         # Chosen as a padded call of the longest lengths would be (the lengths a varlen
         # kernel was tuned at are its workload's longest).
         shape = Problem(p.batch, p.heads, p.kv_heads, max(1, p.max_seqlen_q),
@@ -289,8 +292,16 @@ class TunedAttention:
                 raise NoKernelError(self.no_kernel(q, p.head_dim, causal, "varlen"))
             if lse is not None:
                 raise ValueError("lse is not available from the SDPA fallback")
-            return out.copy_(varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
-                                         scale=scale))
+            if out is not None:
+                check_varlen_out(out, None, q, p, aligned=False)
+            result = varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale)
+            return result if out is None else out.copy_(result)
+        if fallback is not None:  # not checked above: SDPA might have served
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                check_aligned(name, t)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        check_varlen_out(out, lse, q, p)
         kernel.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, out,
                       lse, scale)
         return out
@@ -328,7 +339,8 @@ def _define_op(tuned: TunedAttention, namespace: str) -> tuple[Any, str]:
     def _(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
           fallback: str | None = None, bshd: bool = False,
           with_lse: bool = False) -> tuple[Tensor, Tensor]:
-        check_inputs(q, k, v, any_float=fallback is not None, pointers=False)
+        check_inputs(q, k, v, any_float=fallback is not None, pointers=False,
+                     aligned=fallback is None)
         b, h, sq, d = q.shape
         lse = q.new_empty((b, h, sq) if with_lse else (0,), dtype=torch.float32)
         if bshd:

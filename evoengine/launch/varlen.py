@@ -22,10 +22,15 @@ from torch import Tensor
 from evoengine.launch.core import (
     DTYPE_NAMES,
     LOG2E,
-    MAX_GRID_YZ,
     ParamBuffer,
+    check_aligned,
+    check_dtype,
+    check_grid_dims,
+    check_shared,
+    check_tensor,
     launch_in_context,
     raw_stream,
+    rows_aligned,
     sdpa_attention,
     sm_count,
     softmax_scale,
@@ -52,20 +57,15 @@ class VarlenProblem(NamedTuple):
     max_seqlen_k: int
 
 
-def _check_packed(name: str, t: object, heads_name: str) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cuda:
-        raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-    if t.dim() != 3:
-        raise ValueError(f"{name} must be 3-D [total, {heads_name}, head_dim] (packed), got "
+def _check_packed(name: str, t: object, heads_name: str, any_float: bool,
+                  aligned: bool) -> Tensor:
+    t = check_tensor(name, t, 3, f"[total, {heads_name}, head_dim] (packed)")
+    check_dtype(name, t, any_float)
+    if t.shape[1] == 0 or t.shape[2] == 0:
+        raise ValueError(f"{name} must have {heads_name} >= 1 and head_dim >= 1, got "
                          f"{tuple(t.shape)}")
-    if t.dtype not in DTYPE_NAMES:
-        raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
-    s = t.stride()
-    if s[2] != 1 or s[0] % 8 or s[1] % 8 or t.data_ptr() % 16:
-        raise ValueError(f"{name} must have a contiguous last dim, 16-byte aligned rows and "
-                         f"strides a multiple of 8 elements, got strides {s}")
+    if aligned and t.dtype in DTYPE_NAMES:
+        check_aligned(name, t)
     return t
 
 
@@ -77,8 +77,8 @@ def _check_cu(name: str, t: object, device: torch.device) -> Tensor:
     if t.device != device:
         raise ValueError(f"{name} must be on {device} with q, got {t.device}")
     if t.dim() != 1 or t.numel() < 2 or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous 1-D [batch + 1] tensor, got shape "
-                         f"{tuple(t.shape)} strides {t.stride()}")
+        raise ValueError(f"{name} must be a contiguous 1-D [batch + 1] tensor, batch >= 1, "
+                         f"got shape {tuple(t.shape)} strides {t.stride()}")
     return t
 
 
@@ -99,7 +99,8 @@ def check_cu_values(name: str, cu: list[int], total: int, max_seqlen: int) -> No
 def check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                         cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                         head_dim: int | None = None, dtype: str | None = None,
-                        values: bool = True) -> VarlenProblem:
+                        values: bool = True, any_float: bool = False,
+                        aligned: bool = True) -> VarlenProblem:
     """Reject what a varlen kernel cannot take, with a one-line ``ValueError`` naming what was
     expected, before any launch; return the shapes.
 
@@ -107,26 +108,24 @@ def check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     packed lengths, no sequence longer than its max_seqlen): that reads them back to the host,
     one device-to-host copy of 2 (batch + 1) int32 and so a synchronization with the stream
     per call. ``values=False`` skips it (the kernel then trusts them: a wrong cu_seqlens reads
-    and writes out of bounds).
+    and writes out of bounds). ``any_float`` and ``aligned=False``: as ``check_inputs``'s,
+    for the SDPA fallback.
     """
-    _check_packed("q", q, "heads")
-    _check_packed("k", k, "kv_heads")
-    _check_packed("v", v, "kv_heads")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    _check_packed("q", q, "heads", any_float, aligned)
+    _check_packed("k", k, "kv_heads", any_float, aligned)
+    _check_packed("v", v, "kv_heads", any_float, aligned)
+    check_shared("q, k, v", q, k, v)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)}, {tuple(v.shape)}")
     total_q, heads, d = q.shape
     total_k, kv_heads, dk = k.shape
     if dk != d:
         raise ValueError(f"q and k must share head_dim, got {d} and {dk}")
-    if kv_heads == 0 or heads % kv_heads:
+    if heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
     if head_dim is not None and d != head_dim:
         raise ValueError(f"this kernel takes head_dim {head_dim}, got {d}")
-    if dtype is not None and DTYPE_NAMES[q.dtype] != dtype:
+    if dtype is not None and DTYPE_NAMES.get(q.dtype) != dtype:
         raise ValueError(f"this kernel takes {dtype}, got {q.dtype}")
     _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
     _check_cu("cu_seqlens_k", cu_seqlens_k, q.device)
@@ -134,12 +133,11 @@ def check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both be [batch + 1], got "
                          f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()} entries")
     batch = cu_seqlens_q.numel() - 1
-    if heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
-        raise ValueError(f"batch and heads must be at most {MAX_GRID_YZ} (CUDA grid limit), "
-                         f"got batch {batch}, heads {heads}")
+    check_grid_dims(batch, heads)
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {m!r}")
+        # The kernels take it as an int32.
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < 2**31:
+            raise ValueError(f"{name} must be an int in [0, 2**31), got {m!r}")
     if values:
         both = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()  # the one sync
         check_cu_values("cu_seqlens_q", both[:batch + 1], total_q, max_seqlen_q)
@@ -148,16 +146,20 @@ def check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                          max_seqlen_k)
 
 
-def check_varlen_out(out: Tensor, lse: Tensor | None, q: Tensor, p: VarlenProblem) -> None:
-    """``out`` like q ([total_q, heads, head_dim], any 16-byte aligned rows); ``lse`` a
-    contiguous float32 [heads, total_q]."""
+def check_varlen_out(out: Tensor, lse: Tensor | None, q: Tensor, p: VarlenProblem,
+                     aligned: bool = True) -> None:
+    """``out`` like q ([total_q, heads, head_dim], any 16-byte aligned rows; any strides
+    where not ``aligned``: SDPA writes it); ``lse`` a contiguous float32 [heads, total_q]."""
+    if not isinstance(out, Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
-    s = out.stride()
-    if s[2] != 1 or s[0] % 8 or s[1] % 8 or out.data_ptr() % 16:
+    if aligned and not rows_aligned(out):
         raise ValueError(f"out must have a contiguous last dim and 16-byte aligned rows, got "
-                         f"strides {s}")
+                         f"strides {out.stride()}")
+    if lse is not None and not isinstance(lse, Tensor):
+        raise TypeError(f"lse must be a torch.Tensor or None, got {type(lse).__name__}")
     if lse is not None and (lse.shape != (p.heads, p.total_q) or lse.dtype != torch.float32
                             or not lse.is_contiguous() or lse.device != q.device):
         raise ValueError(f"lse must be a contiguous float32 [{p.heads}, {p.total_q}] on "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from evoengine import paths
 from evoengine.report.gather import Gathered, Selection, gather
 from evoengine.report.importance import StudyImportance, study_importances
 from evoengine.store import Store
@@ -44,6 +45,7 @@ def write_report(store: str | os.PathLike[str] | None, selection: Selection,
     """Write the report of ``selection``'s runs in ``store`` to ``output``."""
     from evoengine.report.page import render
 
+    path = paths.output_file(output, "report")
     with Store(store, create=False) as s:
         shown = sa.make_url(s.url).render_as_string(hide_password=True)
         gathered: Gathered = gather(s, selection, shown)
@@ -52,7 +54,6 @@ def write_report(store: str | os.PathLike[str] | None, selection: Selection,
     for r in gathered.runs:
         if r.study and r.study not in importances:
             importances[r.study] = study_importances(url, r.study)
-    path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(gathered, importances, selection.describe()), encoding="utf-8")
     return Report(path, len(gathered.runs), len(gathered.workloads))

@@ -287,6 +287,19 @@ def test_bad_inputs_on_the_gpu(exported: Exported) -> None:
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             attention(*args)
+    # Arguments that torch would have converted (float("0.1"), bool("no")), and an lse given
+    # without out (once written unchecked): refused before any launch, as on the CPU.
+    for kw, error, message in ((dict(scale="0.1"), TypeError, "scale must be a float"),
+                               (dict(causal="no"), TypeError, "causal must be a bool")):
+        with pytest.raises(error, match=message):
+            attention(q, k, v, **kw)
+        with pytest.raises(error, match=message):
+            attention(q.requires_grad_(), k, v, **kw)  # through the custom op
+        q = q.detach()
+    lse = torch.empty(2, 8, q.shape[2], device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="lse must be a contiguous float32"):
+        attention.forward(q, k, v, lse=lse)
+    torch.cuda.synchronize()
 
 
 def test_embedded_source_builds_for_this_gpu(exported: Exported) -> None:
