@@ -157,51 +157,50 @@ def plan(geometry: ModelGeometry, arch: Arch, *, name: str,
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if not name or name.startswith("/") or "//" in name:
         raise ValueError(f"a tune name must be non-empty text, got {name!r}")
-    notes: list[str] = []
-    if kinds is None:
-        kinds = []
-        for kind in PROBLEMS:
-            try:
-                if not problem(kind).tune_workloads(geometry):
-                    notes.append(f"{kind}: the model makes no such calls")
-                    continue
-                _refuse_unserved(kind, spaces_for(kind, spaces), problem(kind).tune_workloads(
-                    geometry), arch)
-            except ValueError as e:
-                notes.append(f"{kind} left out: {e}")
-                continue
-            kinds.append(kind)
-    kinds = tuple(dict.fromkeys(kinds))
+    asked = kinds is not None
+    kinds = tuple(dict.fromkeys(kinds if asked else PROBLEMS))  # type: ignore[arg-type]
     if not kinds:
-        raise ValueError("at least one kind to tune is needed (e.g. fwd or fwd,bwd)"
-                         + (f"; {'; '.join(notes)}" if notes else ""))
+        raise ValueError("at least one kind to tune is needed (e.g. fwd or fwd,bwd)")
+    notes: list[str] = []
     parts: list[Part] = []
     for kind in kinds:
         solver = problem(kind)  # an unknown kind: ValueError naming the known ones
         workloads = solver.tune_workloads(geometry)
         if not workloads:
-            raise ValueError(f"{kind}: a {'causal' if geometry.causal else 'non-causal'} model "
-                             f"makes no {kind} calls to tune")
-        _refuse_unserved(kind, spaces_for(kind, spaces), workloads, arch)
+            if asked:
+                raise ValueError(f"{kind}: a {'causal' if geometry.causal else 'non-causal'} "
+                                 f"model makes no {kind} calls to tune")
+            notes.append(f"{kind}: the model makes no such calls")
+            continue
+        why = _why_unserved(kind, spaces_for(kind, spaces), workloads, arch)
+        if why:
+            if asked:
+                raise ValueError(why)
+            notes.append(f"{kind} left out: {why}")
+            continue
         for w in workloads:
             parts.append(Part(w, study_name(name, arch, w),
                               w.flops() if split == "flops" else 1.0))
+    if not parts:
+        raise ValueError("no kind of call to tune: " + "; ".join(notes))
+    kinds = tuple(dict.fromkeys(p.kind for p in parts))
     return TunePlan(name, geometry, arch, kinds, tuple(parts), split,
                     None if trials is not None else timeout_s, trials, tuple(notes))
 
 
-def _refuse_unserved(kind: str, spaces: list[SearchSpace], workloads: list[Workload],
-                     arch: Arch) -> None:
-    """A kind with no space for ``arch``, or whose spaces all rule its problem out."""
+def _why_unserved(kind: str, spaces: list[SearchSpace], workloads: list[Workload],
+                  arch: Arch) -> str:
+    """Why no space serves the kind's workloads on ``arch`` (none targets it, or all rule its
+    problem out); empty when one does."""
     mine = [s for s in spaces if s.supports(arch)]
     if not mine:
-        raise ValueError(f"no {kind} search space targets {arch.name}")
-    for w in workloads[:1]:  # the problem (head dim, dtype, causal) is the same for all
-        why = [s.problem_violations(w.problem(), arch) for s in mine]
-        if all(why):
-            raise ValueError(f"no {kind} search space admits {w.key()} on {arch.name}: "
-                             + "; ".join(f"{s.family}: {b[0]}"
-                                         for s, b in zip(mine, why, strict=True)))
+        return f"no {kind} search space targets {arch.name}"
+    w = workloads[0]  # the problem (head dim, dtype, causal) is the same for all
+    why = [s.problem_violations(w.problem(), arch) for s in mine]
+    if all(why):
+        return (f"no {kind} search space admits {w.key()} on {arch.name}: "
+                + "; ".join(f"{s.family}: {b[0]}" for s, b in zip(mine, why, strict=True)))
+    return ""
 
 
 # ---- running it --------------------------------------------------------------------------

@@ -82,11 +82,9 @@ def check_aligned(name: str, t: Tensor, *, pointers: bool = True) -> None:
     """What every kernel reads rows with (16-byte copies): a contiguous last dim, the other
     strides multiples of 8 elements, a 16-byte aligned start (``pointers=False``: fake
     tensors have none). A head dim that is not a multiple of 8 is named as such."""
-    strides = t.stride()
-    # On every eager call: one gcd for "all multiples of 8" (an expanded dim's 0 is one).
-    if (strides[-1] == 1 and not math.gcd(*strides[:-1]) % 8
-            and not (pointers and t.data_ptr() % 16)):
+    if rows_aligned(t, pointers=pointers):
         return
+    strides = t.stride()
     if strides[-1] != 1:
         raise ValueError(f"{name} must have a contiguous last dim, got strides {strides}")
     if t.shape[-1] % 8:
@@ -160,23 +158,20 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, head_dim: int | None = None
     return Problem(b, h, hkv, sq, sk, d)
 
 
-def rows_aligned(t: Tensor) -> bool:
-    """A contiguous last dim, other strides a multiple of 8 values, a 16-byte aligned start."""
+def rows_aligned(t: Tensor, *, pointers: bool = True) -> bool:
+    """A contiguous last dim, other strides a multiple of 8 values, a 16-byte aligned start
+    (not looked at with ``pointers=False``: fake tensors have none)."""
     strides = t.stride()
-    return strides[-1] == 1 and not any(s % 8 for s in strides[:-1]) and not t.data_ptr() % 16
+    # On every eager call: one gcd for "all multiples of 8" (an expanded dim's 0 is one).
+    return (strides[-1] == 1 and not math.gcd(*strides[:-1]) % 8
+            and not (pointers and t.data_ptr() % 16))
 
 
 def check_out(out: Tensor | None, q: Tensor, lse: Tensor | None, p: Problem) -> None:
     """Reject an output buffer (and log-sum-exp buffer) that the kernel cannot write; either
     may be None (not given)."""
     if out is not None:
-        if not isinstance(out, Tensor):
-            raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-            raise ValueError(f"out must match q: {tuple(q.shape)} {q.dtype} on {q.device}, "
-                             f"got {tuple(out.shape)} {out.dtype} on {out.device}")
-        if not rows_aligned(out):
-            raise ValueError("out must have a contiguous last dim and 16-byte aligned rows")
+        check_like("out", out, q, "q", none_ok=True)
     if lse is not None:
         if not isinstance(lse, Tensor):
             raise TypeError(f"lse must be a torch.Tensor or None, got {type(lse).__name__}")
@@ -371,11 +366,14 @@ class ParamBuffer:
 
 
 
-def check_like(name: str, t: object, like: Tensor, like_name: str) -> Tensor:
+def check_like(name: str, t: object, like: Tensor, like_name: str, *,
+               none_ok: bool = False) -> Tensor:
     """``t`` must have ``like``'s shape, dtype and device, a contiguous last dim and 16-byte
-    aligned rows (any other strides)."""
+    aligned rows (any other strides). ``none_ok``: the argument may be None (the caller
+    handles that), as the type error says."""
     if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor{' or None' if none_ok else ''}, "
+                        f"got {type(t).__name__}")
     if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
         raise ValueError(f"{name} must match {like_name}: {tuple(like.shape)} {like.dtype} on "
                          f"{like.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
