@@ -412,11 +412,11 @@ class _Loop:
 
     def _held_unclaimed(self) -> bool:
         """Whether another worker's RUNNING trial holds a point it has not claimed yet: it
-        claims it in a moment, or, its worker killed between the two, the trial goes stale,
-        the reap fails it and the point is fresh again. Stopping here would lose it."""
-        mine = self.coord.mine()
-        return any(i not in self.coord.taken and i not in mine
-                   for i in self.study.running_identities())
+        claims it in a moment, or, its worker killed before that, the trial goes stale (the
+        reap, or ``holds_unclaimed`` for one killed before its first heartbeat, fails it)
+        and the point is fresh again. Stopping here would lose it."""
+        return self.study.holds_unclaimed(self.coord.taken | self.coord.mine(),
+                                          self.config.grace_s)
 
     def _is_in_flight(self, identity: str) -> bool:
         return any(p.candidate.identity == identity for p in self._pending())

@@ -22,7 +22,8 @@ is read in exactly one place:
   measurements name their trial by it.
 
 Contract. ``SearchStudy`` writes only trials it created (and, through ``fail_stale``, the
-stale trials of any worker, as Optuna's ``fail_stale_trials`` does) and the study's two
+stale trials of any worker, as Optuna's ``fail_stale_trials`` does, and through
+``holds_unclaimed`` those of a worker killed before their first heartbeat) and the study's two
 ownership attributes; it never enqueues a trial, so no waiting trial is skipped, and never
 changes a finished trial. ``open_storage`` raises Optuna's ``StorageInternalError`` or a
 SQLAlchemy error when the database cannot be opened in five attempts. ``complete``, ``fail``
@@ -40,7 +41,7 @@ import datetime
 import math
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from typing import Any
 
 import optuna
@@ -163,10 +164,29 @@ class SearchStudy:
         """Fail the study's RUNNING trials silent for longer than the grace period."""
         optuna.storages.fail_stale_trials(self.study)
 
-    def running_identities(self) -> set[str]:
-        """The identities held by the study's RUNNING trials, this worker's and others'."""
-        trials = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-        return {str(t.user_attrs[IDENTITY_ATTR]) for t in trials if IDENTITY_ATTR in t.user_attrs}
+    def holds_unclaimed(self, claimed: Container[str], grace_s: float) -> bool:
+        """Whether a RUNNING trial of another worker holds a point not in ``claimed`` (the
+        points taken, and this worker's own): its worker claims it in a moment. One older
+        than ``grace_s`` never will: its worker died between creating it and recording its
+        first heartbeat, and Optuna's stale check passes over a trial with no heartbeat. It
+        is failed here (as stale: no reason), so its point is fresh again, and this says True
+        too: there is a point to propose or to wait for, not none."""
+        grace = datetime.timedelta(seconds=grace_s)
+        now = datetime.datetime.now()  # datetime_start: the creating worker's clock
+        held = False
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            identity = t.user_attrs.get(IDENTITY_ATTR)
+            if identity is None or identity in claimed:
+                continue
+            if t.datetime_start is None or now - t.datetime_start <= grace:
+                held = True
+                continue
+            trial_id = self._storage.get_trial_id_from_study_id_trial_number(self._study_id,
+                                                                           t.number)
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                self._storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
+            held = True  # freed: the next proposal may take it
+        return held
 
     def finished(self, trial_id: int) -> bool:
         """Whether the trial has ended (``KeyError`` if its study was deleted)."""
