@@ -55,8 +55,10 @@ def entries() -> tuple[Any, Any]:
                {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False, "VARLEN": True}),
               ("decode", "decode", DECODE_POINT, {"HEAD_DIM": 64, "DTYPE": "fp16",
                                                   "PAGED": True})]
-    cands = [make_candidate(SearchSpace.load(paths.SPACES / f"{family}.toml"), point, prob,
-                            arch) for _, family, point, prob in wanted]
+    spaces = {family: SearchSpace.load(paths.SPACES / f"{family}.toml")
+              for _, family, _, _ in wanted}
+    cands = [make_candidate(spaces[family], spaces[family].complete(point), prob, arch)
+             for _, family, point, prob in wanted]
     kernels = [problem(kind).load(cand, compiled) for (kind, *_), cand, compiled
                in zip(wanted, cands, compile_many(cands, arch), strict=True)]
     table = [sa.Entry(0, "fp16", 64, False, 512, 512, 1, 8),
