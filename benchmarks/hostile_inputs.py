@@ -34,6 +34,7 @@ from evoengine import launch as sa  # noqa: E402
 from evoengine import paths  # noqa: E402
 from evoengine.compile import compile_many  # noqa: E402
 from evoengine.problems import problem  # noqa: E402
+from evoengine.provenance import header, local_device  # noqa: E402
 from evoengine.render import make_candidate  # noqa: E402
 from evoengine.runtime import gpu_arch  # noqa: E402
 from evoengine.space import SearchSpace  # noqa: E402
@@ -219,12 +220,16 @@ def main() -> int:
     failed = ([r["case"] for r in rows if not r["ok"]]
               + [h["entry"] for h in healthy if not h["max_abs_err"] < 2e-2]
               + [" ".join(c["args"][:1]) for c in cli if not c["ok"]])
-    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cases": rows, "valid_after": healthy,
-           "cli": cli, "failed": failed, "seconds": round(time.perf_counter() - start, 1)}
+    refused = len(rows) - sum(not r["ok"] for r in rows)
+    doc = header(**local_device(), method="each hostile call once on real CUDA tensors, what it "
+                 "raised recorded; then valid calls compared with SDPA; then the CLI",
+                 summary=f"{refused}/{len(rows)} refused as expected in one line; "
+                 f"failed: {', '.join(failed) or 'none'}",
+                 cases=rows, valid_after=healthy, cli=cli, failed=failed,
+                 seconds=round(time.perf_counter() - start, 1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"{len(rows) - sum(not r['ok'] for r in rows)}/{len(rows)} refused as expected; "
+    print(f"{refused}/{len(rows)} refused as expected; "
           f"valid calls after: {[round(h['max_abs_err'], 4) for h in healthy]}; "
           f"CLI: {[c.get('rc') for c in cli]}; failed: {failed or 'none'}")
     return 1 if failed else 0
