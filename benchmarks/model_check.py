@@ -142,7 +142,9 @@ def main() -> None:
                      f"attention, eager) and SDPA cuDNN interleaved, {args.rounds} rounds, "
                      "median of the rounds' medians; the criterion on the serving kernel at "
                      f"the call's heads, batch <= 4 and length <= {CHECK_LENGTH}",
-                     summary=summary, module=str(args.module), config=str(args.config),
+                     summary="; ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                       for k, v in summary.items()),
+                     summary_values=summary, module=str(args.module), config=str(args.config),
                      seed=args.seed, rows=rows)
         args.json.write_text(json.dumps(doc, indent=1))
 
