@@ -48,7 +48,9 @@ POINTS = {
     # bulk dQ reduction to warp 1 of the producer (DQ_WRITER=warp) through mbarriers, with one
     # and two staging buffers: two consumer warpgroups (p14: FlashAttention-3's d128 tile, two
     # buffers; p15: dQ split by query rows, a one-stage ring; p17: the timed d128 S3 point) and
-    # one (p16, p18).
+    # one (p16, p18). p19-p21 read lse_log2 before the S^T wait (ROWS_EARLY): the TMA ring at
+    # 240 registers with a consumer (p19) and a warp (p20) writing dQ, the cp_async ring with one
+    # warpgroup (p21).
     "wgmma_bwd": [
         dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic"),
         dict(BLOCK_N=64, BLOCK_M=64, STAGES=1, SWIZZLE=128, DQ_ACCUM="separate"),
@@ -81,6 +83,12 @@ POINTS = {
              DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_BUFFERS=1),
         dict(BLOCK_N=64, BLOCK_M=128, STAGES=2, SWIZZLE=32, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_BUFFERS=1),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", ROWS_EARLY=True),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=3, SWIZZLE=64, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", ROWS_EARLY=True),
+        dict(BLOCK_N=64, BLOCK_M=64, STAGES=2, SWIZZLE=32, DQ_ACCUM="separate", REFILL="dq",
+             ROWS_EARLY=True),
     ],
 }
 FAMILIES = tuple(POINTS)
@@ -126,6 +134,9 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     ("wgmma_bwd", 16, _problem(128, "bf16", True)), ("wgmma_bwd", 16, _problem(64, "fp16", False)),
     ("wgmma_bwd", 17, _problem(128, "fp16", True)), ("wgmma_bwd", 17, _problem(128, "bf16", False)),
     ("wgmma_bwd", 18, _problem(64, "bf16", True)), ("wgmma_bwd", 18, _problem(64, "fp16", False)),
+    *(("wgmma_bwd", 19, pr) for pr in PROBLEMS),
+    *(("wgmma_bwd", 20, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    ("wgmma_bwd", 21, _problem(128, "bf16", True)), ("wgmma_bwd", 21, _problem(64, "fp16", False)),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
@@ -245,7 +256,8 @@ def inputs(shape: tuple, dtype: torch.dtype, causal: bool, seed: int = 0) -> tup
     ("mma_bwd", 0, True), ("mma_bwd", 2, True), ("mma_bwd", 3, False),
     ("wgmma_bwd", 0, True), ("wgmma_bwd", 2, False), ("wgmma_bwd", 5, True),
     ("wgmma_bwd", 6, False), ("wgmma_bwd", 10, True), ("wgmma_bwd", 11, False),
-    ("wgmma_bwd", 12, True), ("wgmma_bwd", 15, True), ("wgmma_bwd", 16, True)])
+    ("wgmma_bwd", 12, True), ("wgmma_bwd", 15, True), ("wgmma_bwd", 16, True),
+    ("wgmma_bwd", 21, False)])
 def test_deterministic_results_are_bit_identical(family: str, point: int,
                                                  deterministic: bool) -> None:
     skip_unless_targeted(family)
