@@ -329,7 +329,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from evoengine.store import resolve_url
 
     overrides = dict(heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                     dtype=args.dtype, causal=args.causal, max_seq=args.max_seq)
+                     dtype=args.dtype, causal=args.causal, max_seq=args.max_seq,
+                     min_seq=args.min_seq)
     if args.config is not None:
         geometry = geo.from_config(args.config, **overrides)
     else:
@@ -338,7 +339,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         geometry = geo.ModelGeometry(
             heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
             dtype=args.dtype or "bf16", causal=bool(args.causal),
-            max_seq=args.max_seq or geo.DEFAULT_MAX_SEQ)
+            max_seq=args.max_seq or geo.DEFAULT_MAX_SEQ,
+            min_seq=args.min_seq or geo.LADDER_START)
     name = args.name or (geo.default_name(args.config) if args.config else
                          f"h{geometry.heads}-kv{geometry.kv_heads}-d{geometry.head_dim}")
     if args.arch is not None:
@@ -600,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seq", type=positive_int, metavar="N",
                    help="longest sequence to tune for (default: max_position_embeddings, "
                    "at most 16384)")
+    g.add_argument("--min-seq", type=positive_int, metavar="N",
+                   help="the prefill ladder's first length (default 256; it doubles from "
+                   "there up to --max-seq)")
     t.add_argument("--kinds", metavar="K,K",
                    help="problem kinds to tune, e.g. fwd or fwd,bwd (default: every kind the "
                    "model makes calls of: fwd,bwd,varlen and, for a decoder, decode)")

@@ -5,13 +5,14 @@ The geometry is what every attention call of the model shares (query heads, key/
 heads, head dim, dtype, causal) plus the longest sequence it sees. The calls are prefills
 on a log ladder of lengths, each batched to about ``TOKENS_PER_CALL`` tokens:
 
-- lengths ``512, 1K, 2K, 4K, ...`` up to the model's maximum (``max_position_embeddings``,
-  capped at ``DEFAULT_MAX_SEQ`` or ``--max-seq``), and the maximum itself where it is off
-  the ladder: an exported module's nearest-length dispatch then serves any call between
-  two rungs with a kernel tuned within a factor sqrt(2) of its length;
+- lengths ``256, 512, 1K, 2K, 4K, ...`` (from ``LADDER_START`` or ``--min-seq``) up to
+  the model's maximum (``max_position_embeddings``, capped at ``DEFAULT_MAX_SEQ`` or
+  ``--max-seq``), and the maximum itself where it is off the ladder: an exported module's
+  nearest-length dispatch then serves any call between two rungs with a kernel tuned
+  within a factor sqrt(2) of its length;
 - batch ``max(1, TOKENS_PER_CALL // length)``: a call carries about 16K tokens, the size of
   a serving engine's prefill chunk or a training micro-batch, so short sequences come
-  batched (512: batch 32) and long ones alone (16K: batch 1). The time per call is then
+  batched (256: batch 64) and long ones alone (16K: batch 1). The time per call is then
   roughly proportional to the length, as it is in the model.
 
 Contract: ``from_config`` and ``ModelGeometry`` raise a one-line ``ValueError`` naming the
@@ -28,7 +29,7 @@ from typing import Any
 
 from evoengine.workload import DTYPES
 
-LADDER_START = 512
+LADDER_START = 256
 TOKENS_PER_CALL = 16384
 DEFAULT_MAX_SEQ = 16384
 
@@ -55,6 +56,7 @@ class ModelGeometry:
     dtype: str = "bf16"
     causal: bool = True
     max_seq: int = DEFAULT_MAX_SEQ
+    min_seq: int = LADDER_START  # the ladder's first rung (--min-seq)
     name: str = ""
     notes: tuple[str, ...] = field(default=(), compare=False)
 
@@ -62,7 +64,8 @@ class ModelGeometry:
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         for what, value in (("query heads", self.heads), ("key/value heads", self.kv_heads),
-                            ("head dim", self.head_dim), ("max seq", self.max_seq)):
+                            ("head dim", self.head_dim), ("max seq", self.max_seq),
+                            ("min seq", self.min_seq)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{what} must be a positive integer, got {value!r}")
         if self.heads % self.kv_heads:  # type: ignore[operator]
@@ -79,7 +82,7 @@ class ModelGeometry:
     def prefill_lengths(self) -> list[int]:
         """The ladder of sequence lengths (module docstring)."""
         lengths = []
-        n = LADDER_START
+        n = self.min_seq
         while n <= self.max_seq:
             lengths.append(n)
             n *= 2
@@ -112,7 +115,8 @@ def default_name(path: str | Path) -> str:
     return p.stem
 
 
-def from_config(path: str | Path, *, max_seq: int | None = None, dtype: str | None = None,
+def from_config(path: str | Path, *, max_seq: int | None = None, min_seq: int | None = None,
+                dtype: str | None = None,
                 causal: bool | None = None, heads: int | None = None,
                 kv_heads: int | None = None, head_dim: int | None = None) -> ModelGeometry:
     """The geometry of the Transformers config at ``path``; the keywords, where given,
@@ -132,15 +136,15 @@ def from_config(path: str | Path, *, max_seq: int | None = None, dtype: str | No
     if not isinstance(data, dict):
         raise ValueError(f"{p} is not a Transformers config (a JSON object)")
     return geometry_of(data, where=str(p), max_seq=max_seq, dtype=dtype, causal=causal,
-                       heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                       heads=heads, kv_heads=kv_heads, head_dim=head_dim, min_seq=min_seq,
                        name=default_name(p))
 
 
 def geometry_of(config: Mapping[str, Any], *, where: str = "the config",
-                max_seq: int | None = None, dtype: str | None = None,
-                causal: bool | None = None, heads: int | None = None,
-                kv_heads: int | None = None, head_dim: int | None = None,
-                name: str = "") -> ModelGeometry:
+                max_seq: int | None = None, min_seq: int | None = None,
+                dtype: str | None = None, causal: bool | None = None,
+                heads: int | None = None, kv_heads: int | None = None,
+                head_dim: int | None = None, name: str = "") -> ModelGeometry:
     """The geometry of a config's fields (``from_config`` reads them from a file)."""
     notes: list[str] = []
     cfg: Mapping[str, Any] = config
@@ -182,7 +186,9 @@ def geometry_of(config: Mapping[str, Any], *, where: str = "the config",
         notes.append(f"max_position_embeddings {longest} capped at {cap} (--max-seq)")
         longest = cap
     return ModelGeometry(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                         causal=causal, max_seq=longest, name=name, notes=tuple(notes))
+                         causal=causal, max_seq=longest,
+                         min_seq=LADDER_START if min_seq is None else min_seq, name=name,
+                         notes=tuple(notes))
 
 
 def _first(cfg: Mapping[str, Any], *names: str) -> Any:

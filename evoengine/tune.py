@@ -4,7 +4,7 @@ that serves them all.
 ``plan`` turns a ``ModelGeometry`` (``evoengine.geometry``: heads, head dim, dtype, causal,
 longest sequence, read from a Transformers ``config.json``) into the workloads of each
 problem kind asked for, by default every kind the model makes calls of that a space serves
-(``Problem.tune_workloads``: for the forward and the backward, the prefill ladder 512, 1K,
+(``Problem.tune_workloads``: for the forward and the backward, the prefill ladder 256, 512, 1K,
 2K, ... up to the model's maximum, ~16K tokens per call; ragged batches of the same tokens;
 decode steps against 4K, 32K and the longest cache, for decoders), in
 ladder order within each kind, so that each search is seeded by the elites of the rung

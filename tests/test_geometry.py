@@ -113,12 +113,13 @@ def test_default_name_is_the_folder_of_a_config_json_else_the_stem(tmp_path: Pat
 
 
 @pytest.mark.parametrize("max_seq, lengths", [
-    (16384, [512, 1024, 2048, 4096, 8192, 16384]),
-    (3000, [512, 1024, 2048, 3000]),
-    (300, [300]),
-    (512, [512]),
+    (16384, [256, 512, 1024, 2048, 4096, 8192, 16384]),
+    (3000, [256, 512, 1024, 2048, 3000]),
+    (300, [256, 300]),
+    (256, [256]),
+    (200, [200]),
 ])
-def test_the_ladder_doubles_from_512_and_ends_at_the_maximum(max_seq: int,
+def test_the_ladder_doubles_from_256_and_ends_at_the_maximum(max_seq: int,
                                                              lengths: list[int]) -> None:
     assert ModelGeometry(heads=8, head_dim=64, max_seq=max_seq).prefill_lengths() == lengths
 
@@ -127,7 +128,7 @@ def test_each_call_carries_about_16k_tokens() -> None:
     g = ModelGeometry(heads=8, kv_heads=2, head_dim=64, max_seq=16384, causal=False,
                       dtype="fp16")
     calls = g.prefill_calls()
-    assert [c["batch"] for c in calls] == [32, 16, 8, 4, 2, 1]
+    assert [c["batch"] for c in calls] == [64, 32, 16, 8, 4, 2, 1]
     assert all(c["batch"] * c["seq_q"] == TOKENS_PER_CALL for c in calls)
     assert ModelGeometry.batch_for(100_000) == 1
     assert {(c["heads"], c["kv_heads"], c["head_dim"], c["causal"], c["dtype"])

@@ -36,7 +36,7 @@ from tests.test_search import SM90, FakeEvaluator, stub_compile
 
 MMA = [str(paths.SPACES / "mma.toml")]
 TINY = ModelGeometry(heads=4, kv_heads=2, head_dim=64, dtype="fp16", causal=True,
-                     max_seq=1024, name="tiny")
+                     max_seq=1024, min_seq=512, name="tiny")
 
 
 def any_time(params: dict[str, Any]) -> float:
@@ -380,7 +380,8 @@ def test_dry_run_prints_the_plan_from_a_config(tmp_path: Path,
     assert "tune Tiny-LM on sm_90a: 8 query heads, 2 key/value heads, head dim 64, bf16, " \
            "causal, up to 2048 tokens" in out
     assert "note: torch_dtype float32 -> bf16" in out
-    assert "6 workloads (fwd, bwd), 720 s split equal" in out
+    assert "8 workloads (fwd, bwd), 720 s split equal" in out
+    assert "Tiny-LM/sm_90a-b64-h8-kv2-sq256-sk256-d64-causal-bf16" in out
     assert "Tiny-LM/sm_90a-bwd-b8-h8-kv2-sq2048-sk2048-d64-causal-bf16" in out
 
 
@@ -421,7 +422,7 @@ def test_the_command_tunes_resumes_and_exports(tmp_path: Path,
         "num_key_value_heads": 2, "hidden_size": 256, "max_position_embeddings": 1024,
         "torch_dtype": "float16"}))
     argv = ["tune", str(folder / "config.json"), "--kinds", "fwd", "--trials", "4",
-            "--space", MMA[0],
+            "--space", MMA[0], "--min-seq", "512",
             "--store", str(tmp_path / "evo.db"), "-o", str(tmp_path / "tiny.py")]
     assert main(argv) == 0
     out, err = capsys.readouterr()
