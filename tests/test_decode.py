@@ -5,6 +5,7 @@ tensors where the check does not need the device) and the float64 reference."""
 from __future__ import annotations
 
 import argparse
+import struct
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from evoengine.arch import get_arch
 from evoengine.compile import compile_candidate
 from evoengine.launch.decode import (
     MAX_DECODE_SPLITS,
+    CudaDecode,
+    DecodeShape,
     check_decode_inputs,
     decode_splits,
     nearest_decode,
@@ -113,7 +116,8 @@ def test_points_from_before_l2_prefetch_and_merge_complete() -> None:
     assert space.complete(old)["L2_PREFETCH"] == 0
     assert space.complete(old)["MERGE"] == "atomic"
     assert space.complete(dict(old, L2_PREFETCH=256))["MERGE"] == "atomic"
-    assert space.legacy == {"L2_PREFETCH": 0, "MERGE": "atomic"}
+    assert space.complete(old)["COMBINE"] == "kernel"
+    assert space.legacy == {"L2_PREFETCH": 0, "MERGE": "atomic", "COMBINE": "kernel"}
 
 
 def test_space_is_of_kind_decode() -> None:
@@ -129,14 +133,18 @@ def test_space_is_of_kind_decode() -> None:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("merge", ["slices", "atomic"])
-def test_compiles_offline_without_spills(arch: str, paged: bool, merge: str) -> None:
-    """Both merges compile without spills or local memory; where cuobjdump is found, the
-    atomic merge is a CAS loop (ATOMS.CAST.SPIN) per value a thread adds, 2 x BLOCK_M / 16 x
-    HEAD_DIM / 8 of them, and the slices merge has no shared atomic at all."""
+@pytest.mark.parametrize("merge, combine", [("slices", "kernel"), ("atomic", "kernel"),
+                                            ("slices", "fused")])
+def test_compiles_offline_without_spills(arch: str, paged: bool, merge: str,
+                                         combine: str) -> None:
+    """Both merges and both combines compile without spills or local memory; where cuobjdump
+    is found, the atomic merge is a CAS loop (ATOMS.CAST.SPIN) per value a thread adds, 2 x
+    BLOCK_M / 16 x HEAD_DIM / 8 of them, and the slices merge has no shared atomic at all; the
+    fused combine adds one global atomic (the count) and its two fences to the main kernel,
+    and the kernel combine none."""
     from tests.test_backward import CUOBJDUMP, sass_opcodes
 
-    space = SearchSpace.load(SPACE)
+    space = SearchSpace.load(SPACE).with_untested()
     target = get_arch(arch)
     for head_dim, dtype, params in [
         (128, "fp16", dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=2, VEC_BYTES=16,
@@ -144,12 +152,13 @@ def test_compiles_offline_without_spills(arch: str, paged: bool, merge: str) -> 
         (64, "bf16", dict(BLOCK_N=32, BLOCK_M=32, NUM_WARPS=2, STAGES=3, VEC_BYTES=8,
                           L2_PREFETCH=128, SPLIT_POLICY="fixed", SPLITS=8)),
     ]:
-        params = space.complete(dict(params, MERGE=merge))
+        params = space.complete(dict(params, MERGE=merge, COMBINE=combine))
         problem_ = {"HEAD_DIM": head_dim, "DTYPE": dtype, "PAGED": paged}
         cand = make_candidate(space, params, problem_, target)
         source = render(cand)
         assert "attn_decode_combine" in source and f"PAGED = {str(paged).lower()}" in source
         assert f"MERGE_SLICES = {str(merge == 'slices').lower()}" in source
+        assert f"COMBINE_FUSED = {str(combine == 'fused').lower()}" in source
         result = compile_candidate(cand, target)
         assert result.ok, result.error
         assert result.spill_bytes == 0, f"{cand.identity} spills on {arch}"
@@ -159,6 +168,8 @@ def test_compiles_offline_without_spills(arch: str, paged: bool, merge: str) -> 
         assert "LDL" not in ops and "STL" not in ops, cand.identity
         adds = 2 * int(params["BLOCK_M"]) // 16 * head_dim // 8 * 2  # type: ignore[call-overload]
         assert ops.count("ATOMS") == (adds if merge == "atomic" else 0), cand.identity
+        fused = combine == "fused"
+        assert (ops.count("ATOMG"), ops.count("MEMBAR")) == ((1, 2) if fused else (0, 0))
 
 
 def test_merge_slices_fit_where_the_ring_does() -> None:
@@ -182,7 +193,7 @@ def test_merge_slices_fit_where_the_ring_does() -> None:
                     assert p["BLOCK_N"] == 16 * p["NUM_WARPS"], p  # type: ignore[operator]
     small = get_arch("sm_89")  # 99 KB: 8 slices of 32 x (256 + 8) floats do not fit
     big = dict(BLOCK_N=128, BLOCK_M=32, NUM_WARPS=8, STAGES=2, VEC_BYTES=16, L2_PREFETCH=0,
-               MERGE="slices", SPLIT_POLICY="waves", SPLITS=1)
+               MERGE="slices", SPLIT_POLICY="waves", SPLITS=1, COMBINE="kernel")
     bad = space.violations(big, {"HEAD_DIM": 256, "DTYPE": "fp16", "PAGED": True}, small)
     assert any("the warps' merge fits" in why for why in bad)
 
@@ -274,7 +285,8 @@ def test_plan_covers_ragged_and_own_length() -> None:
 
 
 DECODE_POINT = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
-                    L2_PREFETCH=256, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1)
+                    L2_PREFETCH=256, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
+                    COMBINE="kernel")
 
 
 def decode_store(db: object, arch: str, workloads: list[DecodeWorkload]) -> None:
@@ -339,3 +351,76 @@ def test_launcher_and_template_agree_on_the_combine_block() -> None:
     assert m is not None and int(m.group(1)) == DECODE_COMBINE_THREADS
     for entry in DECODE_ENTRIES:
         assert 'extern "C" __global__ void __launch_bounds__' in source and f"\n{entry}(" in source
+
+
+class _FakeDriver:
+    """Stands in for cuLaunchKernel: records each launch's entry and, for the main kernel,
+    the counters argument and what the counters held at launch."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, int, list[int] | None]] = []
+
+    def __call__(self, loaded: object, args: tuple) -> None:
+        import ctypes
+
+        fn, argv = args[0], ctypes.cast(args[9], ctypes.POINTER(ctypes.c_void_p))
+        if fn == 1:  # the main kernel: its 8th argument is the counters' address
+            (address,) = struct.unpack("=Q", ctypes.string_at(argv[7], 8))
+            held = list((ctypes.c_int32 * 4).from_address(address)) if address else None
+            self.launches.append(("main", address, held))
+        else:
+            self.launches.append(("combine", 0, None))
+
+
+def _fake_decode(combine: str, monkeypatch: pytest.MonkeyPatch,
+                 stream: list[int]) -> tuple[CudaDecode, _FakeDriver]:
+    import evoengine.launch.decode as launch_decode
+    from evoengine.launch.core import Loaded
+
+    k = CudaDecode("d", head_dim=128, dtype="fp16", paged=False, block_m=16, block_n=64,
+                   threads=128, smem_bytes=1024, split_policy="fixed", splits=4,
+                   combine=combine, arch="sm_90a", cubin=b"x")
+    fake = _FakeDriver()
+    monkeypatch.setattr(launch_decode, "launch_in_context", fake)
+    monkeypatch.setattr(launch_decode, "raw_stream", lambda index: stream[0])
+    # CPU tensors are device index -1; only the fields the launch reads are filled in.
+    k.main._loaded[-1] = Loaded(1, 0, lambda *a: None, lambda: 0, lambda c: None, None)
+    k.combine._loaded[-1] = Loaded(2, 0, lambda *a: None, lambda: 0, lambda c: None, None)
+    k._slots[-1] = 132
+    return k, fake
+
+
+@pytest.mark.parametrize("combine", ["kernel", "fused"])
+def test_the_fused_combine_launches_once_with_the_streams_zeroed_counters(
+        combine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's side of the ABI, on CPU tensors with the driver faked: with several
+    splits a fused kernel is one launch given its stream's counters (zero, the same set on
+    every launch of that stream, another set on another stream), a kernel combine two
+    launches and no counters; with one split, one launch and no counters either way."""
+    stream = [7001]
+    k, fake = _fake_decode(combine, monkeypatch, stream)
+    q = torch.zeros(2, 1, 8, 128, dtype=torch.float16)
+    cache = torch.zeros(2, 4096, 2, 128, dtype=torch.float16)
+    lens = torch.full((2,), 4096, dtype=torch.int32)
+    shape = DecodeShape(batch=2, q_len=1, q_heads=8, kv_heads=2, head_dim=128, paged=False,
+                        page_size=0, capacity=4096, num_pages=0)
+    out = torch.empty_like(q)
+    for s in (7001, 7001, 7002):
+        stream[0] = s
+        k.launch(q, cache, cache, lens, None, out, None, shape, causal=True, scale=0.1)
+    if combine == "kernel":
+        assert [e for e, _, _ in fake.launches] == ["main", "combine"] * 3
+        assert all(address == 0 for e, address, _ in fake.launches if e == "main")
+    else:
+        assert [e for e, _, _ in fake.launches] == ["main"] * 3
+        first, again, other = (address for _, address, _ in fake.launches)
+        assert first != 0 and first == again and other not in (0, first)
+        assert all(held == [0, 0, 0, 0] for _, _, held in fake.launches)
+    fake.launches.clear()
+    k.splits = 1
+    k.launch(q, cache, cache, lens, None, out, None, shape, causal=True, scale=0.1)
+    assert fake.launches == [("main", 0, None)]
+    with pytest.raises(ValueError, match="combine must be one of"):
+        CudaDecode("d", head_dim=128, dtype="fp16", paged=False, block_m=16, block_n=64,
+                   threads=128, smem_bytes=1024, split_policy="fixed", splits=4,
+                   combine="atomic")

@@ -10,13 +10,17 @@ aligned bottom-right: query i of q_len sees the first ``cache_len - q_len + i + 
 
 Kernel ABI (two entries of one cubin, launched in order on torch's current stream):
 
-- ``attn_decode(Q, K, V, O, LSE, O_part, LSE_part, seqlens, block_table, q_len, q_heads,
-  kv_group, row_chunks, causal, page_log2, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss,
+- ``attn_decode(Q, K, V, O, LSE, O_part, LSE_part, counters, seqlens, block_table, q_len,
+  q_heads, kv_group, row_chunks, causal, page_log2, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss,
   v_sh, o_sb, o_ss, o_sh, bt_stride, scale_log2)`` on (splits, kv_heads * row_chunks, batch)
   blocks: each takes ``block_m`` of one key/value head's q_len x group packed query rows and
   one split of its cache. k_sb/v_sb are the page strides of a paged cache. With one split it
   writes O (and LSE, natural log, float32 [B, H, q_len], when not null); with several, O_part
-  [splits, B, q_len, H, D] (normalised, fp32) and LSE_part [splits, B, q_len, H] (log2);
+  [splits, B, q_len, H, D] (normalised, fp32) and LSE_part [splits, B, q_len, H] (log2),
+  which a ``fused`` kernel (COMBINE) then merges itself: ``counters`` holds an int32 per
+  (batch, kv head x row chunk), zero before the launch and zero again after it (the last
+  block of a group to finish resets it), one set per (device, stream) (``split_counters``);
+  null for a ``kernel`` combine, which launches
 - ``attn_decode_combine(O_part, LSE_part, O, LSE, batch, q_len, q_heads, splits, o_sb, o_ss,
   o_sh)`` on ceil(B * q_len * H * D / 4 / 256) blocks of 256 threads: merges the parts.
 
@@ -59,12 +63,13 @@ from evoengine.launch.core import (
 from evoengine.launch.forward import CudaKernel
 
 DECODE_ENTRIES = ("attn_decode", "attn_decode_combine")
-DECODE_MAIN_ARGS = ParamBuffer("Q" * 9 + "i" * 6 + "q" * 13 + "f")
+DECODE_MAIN_ARGS = ParamBuffer("Q" * 10 + "i" * 6 + "q" * 13 + "f")
 DECODE_COMBINE_ARGS = ParamBuffer("QQQQ" + "iiii" + "qqq")
 DECODE_COMBINE_THREADS = 256  # the template's cfg::DECODE_COMBINE_THREADS
 MAX_DECODE_Q_LEN = 16
 MAX_DECODE_SPLITS = 256  # parts are fp32 [splits, B, q_len, H, D]: bounded memory
 SPLIT_POLICIES = ("waves", "fixed")
+COMBINES = ("kernel", "fused")
 
 
 class DecodeShape(NamedTuple):
@@ -225,6 +230,28 @@ def resident_blocks(fn: int, threads: int, smem_bytes: int, index: int) -> int:
         return max(1, per_sm // max(1, smem_bytes + 1024))  # 1 KB the runtime keeps per block
 
 
+MIN_COUNTERS = 1024  # the smallest set of fused-combine counters allocated (4 KB)
+_COUNTERS: dict[tuple[int, int], Tensor] = {}  # (device index, stream) -> its counters
+_OUTGROWN: list[Tensor] = []  # replaced sets: a captured CUDA graph may still use them
+
+
+def split_counters(device: torch.device, stream: int, n: int) -> Tensor:
+    """At least ``n`` int32 counters of the fused combine for launches on ``stream`` of
+    ``device``. Each launch leaves them zero as it found them, so one set serves every
+    launch on the stream in order, and CUDA-graph replays of them; streams have their own
+    (launches on two streams may overlap). Created zeroed, on the stream, at first use (under
+    graph capture the zeroing is part of that graph); a set outgrown is replaced, and kept
+    alive, as a graph captured with it may be replayed."""
+    key = (device.index if device.index is not None else -1, stream)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < n:
+        if have is not None:
+            _OUTGROWN.append(have)
+        have = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
+        _COUNTERS[key] = have
+    return have
+
+
 class CudaDecode:
     """One decode kernel (two entries of one cubin or source):
     ``kernel(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True) -> out``.
@@ -236,23 +263,26 @@ class CudaDecode:
 
     def __init__(self, name: str, *, head_dim: int, dtype: str, paged: bool, block_m: int,
                  block_n: int, threads: int, smem_bytes: int, split_policy: str, splits: int,
-                 arch: str | None = None, cubin: bytes | None = None,
+                 combine: str = "kernel", arch: str | None = None, cubin: bytes | None = None,
                  source: str | None = None, defines: Mapping[str, int] | None = None) -> None:
         if split_policy not in SPLIT_POLICIES:
             raise ValueError(f"kernel {name}: split_policy must be one of {SPLIT_POLICIES}, "
                              f"got {split_policy!r}")
+        if combine not in COMBINES:
+            raise ValueError(f"kernel {name}: combine must be one of {COMBINES}, got {combine!r}")
         common: dict[str, Any] = dict(head_dim=head_dim, dtype=dtype, causal=True,
                                       block_m=block_m, arch=arch, cubin=cubin, source=source,
                                       defines=defines)
-        main, combine = DECODE_ENTRIES
-        self.main = CudaKernel(name, threads=threads, smem_bytes=smem_bytes, entry=main,
+        main_entry, combine_entry = DECODE_ENTRIES
+        self.main = CudaKernel(name, threads=threads, smem_bytes=smem_bytes, entry=main_entry,
                                **common)
-        self.combine = CudaKernel(f"{name}:{combine}", threads=DECODE_COMBINE_THREADS, smem_bytes=0,
-                                  entry=combine, **common)
+        self.combine = CudaKernel(f"{name}:{combine_entry}", threads=DECODE_COMBINE_THREADS,
+                                  smem_bytes=0, entry=combine_entry, **common)
         self.name, self.arch, self.cubin, self.source = name, arch, cubin, source
         self.head_dim, self.dtype, self.paged = int(head_dim), dtype, bool(paged)
         self.block_m, self.block_n = int(block_m), int(block_n)
         self.split_policy, self.splits = split_policy, int(splits)
+        self.fused = combine == "fused"  # several splits merged by the main kernel's last block
         self._slots: dict[int, int] = {}  # per device: SMs x blocks resident per SM
 
     @classmethod
@@ -263,7 +293,8 @@ class CudaDecode:
         return cls(spec["name"], head_dim=problem["HEAD_DIM"], dtype=problem["DTYPE"],
                    paged=problem["PAGED"], block_m=spec["block_m"], block_n=params["BLOCK_N"],
                    threads=spec["threads"], smem_bytes=spec["smem_bytes"],
-                   split_policy=params["SPLIT_POLICY"], splits=params["SPLITS"], arch=arch,
+                   split_policy=params["SPLIT_POLICY"], splits=params["SPLITS"],
+                   combine=params.get("COMBINE", "kernel"), arch=arch,
                    cubin=cubin, source=source, defines=spec.get("defines"))
 
     def __repr__(self) -> str:
@@ -324,17 +355,19 @@ class CudaDecode:
         stream = raw_stream(index)
         chunks, splits = self.plan(shape, index)
         b, q_len, h, d = q.shape
-        part = lse_part = None
+        part = lse_part = counters = None
         if splits > 1:
             # From torch's stream-ordered allocator: dropped after the launches are enqueued,
             # the memory goes only to work ordered after them on this stream.
             part = torch.empty((splits, b, q_len, h, d), dtype=torch.float32, device=q.device)
             lse_part = torch.empty((splits, b, q_len, h), dtype=torch.float32, device=q.device)
+            if self.fused:
+                counters = split_counters(q.device, stream, b * shape.kv_heads * chunks)
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         page_log2 = shape.page_size.bit_length() - 1 if shape.paged else 0
         args = DECODE_MAIN_ARGS.pack(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), ptr(lse), ptr(part),
-            ptr(lse_part), seqlens.data_ptr(), ptr(block_table), q_len, h,
+            ptr(lse_part), ptr(counters), seqlens.data_ptr(), ptr(block_table), q_len, h,
             h // shape.kv_heads, chunks, int(causal), page_log2, q.stride(0), q.stride(1),
             q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -342,7 +375,7 @@ class CudaDecode:
         launch_in_context(main, (main.fn, splits, shape.kv_heads * chunks, b,
                                   self.main.threads, 1, 1, self.main.smem_bytes, stream,
                                   ctypes.addressof(args[1]), 0))
-        if splits > 1:
+        if splits > 1 and not self.fused:
             cargs = DECODE_COMBINE_ARGS.pack(part.data_ptr(), lse_part.data_ptr(),  # type: ignore[union-attr]
                                              out.data_ptr(), ptr(lse), b, q_len, h, splits,
                                              out.stride(0), out.stride(1), out.stride(2))

@@ -4,7 +4,8 @@ Fresh random inputs per check (``validate.check_decode``): pages shuffled in mem
 everything past a sequence's length NaN, ragged lengths with 0 and queries that see no key,
 lengths no multiple of a tile or a page, GQA 32/8 and 64/8 and MQA, q_len 1, 4 and 16, one
 split and many (the combine), contiguous and paged caches; every point with both merges of
-the warps (MERGE: slices, and the legacy atomics).
+the warps (MERGE: slices, and the legacy atomics) and, after the slices merge, both combines of
+the splits (COMBINE: the combine kernel, and fused into the last block of each group).
 """
 
 from __future__ import annotations
@@ -49,26 +50,29 @@ CASES = [
 
 @functools.cache
 def space() -> SearchSpace:
-    return SearchSpace.load(paths.SPACES / "decode.toml")
+    return SearchSpace.load(paths.SPACES / "decode.toml").with_untested()
 
 
 @functools.cache
-def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices") -> list[DecodeKernel]:
+def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
+            combine: str = "kernel") -> list[DecodeKernel]:
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
-    points = [dict(p, MERGE=merge) for p in POINTS]
+    points = [dict(p, MERGE=merge, COMBINE=combine) for p in POINTS]
     cands: list[Candidate] = [make_candidate(space(), p, problem, arch) for p in points
                               if not space().violations(p, problem, arch)]
     return [DecodeKernel(c, r) for c, r in zip(cands, compile_many(cands, arch), strict=True)]
 
 
-@pytest.mark.parametrize("merge", ["slices", "atomic"])
+@pytest.mark.parametrize("merge, combine", [("slices", "kernel"), ("atomic", "kernel"),
+                                            ("slices", "fused")])
 @pytest.mark.parametrize("paged", [True, False])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [128, 64])
-def test_decode_criterion(head_dim: int, dtype: str, paged: bool, merge: str) -> None:
+def test_decode_criterion(head_dim: int, dtype: str, paged: bool, merge: str,
+                          combine: str) -> None:
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    ks = kernels(head_dim, dtype, paged, merge)
+    ks = kernels(head_dim, dtype, paged, merge, combine)
     assert ks
     for kernel in ks:
         for lengths, q_len, heads, kv, page in CASES:
@@ -89,9 +93,81 @@ def test_slices_merge_is_deterministic() -> None:
     k, v, lens, table = validate.decode_cache(3, lengths, 4160, 8, 128, torch.float16,
                                               paged=True, page_size=64, device="cuda")
     q = torch.randn(3, 4, 32, 128, device="cuda", dtype=torch.float16)
-    for kernel in kernels(128, "fp16", True, "slices"):
+    for kernel in kernels(128, "fp16", True, "slices") + kernels(128, "fp16", True, "slices",
+                                                                  "fused"):
         first = kernel(q, k, v, lens, table)
         assert torch.equal(first, kernel(q, k, v, lens, table)), kernel.name
+
+
+def _fused_and_kernel(head_dim: int = 128) -> list[tuple[DecodeKernel, DecodeKernel]]:
+    """(fused, kernel) twins of the points with several splits."""
+    pairs = zip(kernels(head_dim, "fp16", True, "slices", "fused"),
+                kernels(head_dim, "fp16", True, "slices", "kernel"), strict=True)
+    return [(f, k) for f, k in pairs if f.split_policy == "waves" or f.splits > 1]
+
+
+def test_the_fused_combine_is_the_combine_kernel_bit_for_bit() -> None:
+    """The fused combine runs the combine kernel's arithmetic in the same order: the same
+    bits out and lse, over calls of several shapes one after another on one stream (each
+    launch must find its counters as the last left them: zero), on a contiguous and a paged
+    cache, with one split and many."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    pairs = _fused_and_kernel()
+    assert pairs
+    for batch, lengths, q_len, heads in ((3, [4099, 1, 700], 4, 32), (1, [30000], 1, 64),
+                                         (5, [0, 5, 64, 65, 2000], 16, 8), (2, [9, 8191], 1, 8)):
+        cap = -(-max(lengths) // 64) * 64
+        k, v, lens, table = validate.decode_cache(batch, lengths, cap, 8, 128, torch.float16,
+                                                  paged=True, page_size=64, gen=gen,
+                                                  device="cuda")
+        q = torch.randn(batch, q_len, heads, 128, device="cuda", dtype=torch.float16,
+                        generator=gen)
+        for fused, kernel in pairs:
+            lse_f = torch.full((batch, heads, q_len), float("nan"), device="cuda")
+            lse_k = torch.full_like(lse_f, float("nan"))
+            out_f = fused(q, k, v, lens, table, lse=lse_f)
+            out_k = kernel(q, k, v, lens, table, lse=lse_k)
+            assert torch.equal(out_f, out_k), (fused.name, lengths)
+            assert torch.equal(lse_f, lse_k), (fused.name, lengths)
+
+
+def test_the_fused_combine_replays_in_a_cuda_graph_and_on_two_streams() -> None:
+    """Graph replay, as servers run decode: 5 replays of a captured fused call give the eager
+    answer each time (the counters reset themselves); two streams running fused calls at
+    once each use their own counters and give the eager answers."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    fused, _ = _fused_and_kernel()[0]
+    k, v, lens, table = validate.decode_cache(4, [4096, 100, 3000, 1], 4096, 8, 128,
+                                              torch.float16, paged=True, page_size=64,
+                                              gen=gen, device="cuda")
+    q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.float16, generator=gen)
+    want = fused(q, k, v, lens, table)
+    out = torch.empty_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture, as torch asks
+        fused(q, k, v, lens, table, out=out, check=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused(q, k, v, lens, table, out=out, check=False)
+    for _ in range(5):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = [torch.empty_like(q) for _ in streams]
+    for _ in range(3):
+        for s, o in zip(streams, outs, strict=True):
+            o.fill_(float("nan"))
+            s.wait_stream(torch.cuda.current_stream())
+        for _ in range(4):
+            for s, o in zip(streams, outs, strict=True):
+                with torch.cuda.stream(s):
+                    fused(q, k, v, lens, table, out=o, check=False)
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, want) for o in outs)
 
 
 def test_decode_workload_plan_and_timing() -> None:
