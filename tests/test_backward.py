@@ -31,7 +31,7 @@ POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_AC
 PROBLEM = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True)
 WGMMA_POINT = dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
                    DQ_REDUCE="bulk", REFILL="dq", LOADER="cp_async", DQ_WRITER="consumer",
-                   DQ_BUFFERS=1, ROWS_EARLY=False)
+                   DQ_BUFFERS=1, ROWS_EARLY=False, DQ_LAYOUT="rows")
 # The ring loaded by a TMA producer warpgroup (FlashAttention-3's d128 tile).
 TMA_POINT = {**WGMMA_POINT, "SWIZZLE": 128, "DQ_REDUCE": "red", "REFILL": "top",
              "LOADER": "tma"}
@@ -124,10 +124,15 @@ def test_wgmma_bwd_space_targets_sm90a_and_says_why() -> None:
     assert any("start on a panel of K" in b for b in split)
     parts = sp.violations({**WGMMA_POINT, "DQ_ACCUM": "separate"}, PROBLEM, target)
     assert any("adds into the atomic accumulator" in b for b in parts)
-    # Points measured before DQ_REDUCE, REFILL, LOADER, DQ_WRITER, DQ_BUFFERS and ROWS_EARLY
-    # build today's kernel as they did.
+    # Points measured before DQ_REDUCE, REFILL, LOADER, DQ_WRITER, DQ_BUFFERS, ROWS_EARLY and
+    # DQ_LAYOUT build today's kernel as they did.
     assert sp.legacy == {"DQ_REDUCE": "red", "REFILL": "top", "LOADER": "cp_async",
-                         "DQ_WRITER": "consumer", "DQ_BUFFERS": 1, "ROWS_EARLY": False}
+                         "DQ_WRITER": "consumer", "DQ_BUFFERS": 1, "ROWS_EARLY": False,
+                         "DQ_LAYOUT": "rows"}
+    # dQ in fragment order is how staged dQ lies: only with the bulk reduction.
+    frag = sp.with_untested().violations({**TMA_POINT, "DQ_LAYOUT": "fragment"}, TMA_PROBLEM,
+                                         target)
+    assert any("how staged dQ lies" in b for b in frag)
     # lse_log2 held across the S^T wait only where its registers fit.
     early = sp.violations({**WGMMA_POINT, "BLOCK_M": 128, "ROWS_EARLY": True},
                           dict(HEAD_DIM=64, DTYPE="bf16", CAUSAL=False), target)

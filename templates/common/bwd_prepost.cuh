@@ -2,7 +2,9 @@
 // so that every family's cubin launches them the same way: evoengine/backward.py), and the
 // query blocks a key block visits. Included after the family's namespace cfg, which must
 // define HEAD_DIM, IS_BF16, CAUSAL, BLOCK_M (query rows per step: the padding of the per-row
-// values) and BLOCK_N (keys per main-kernel block: the parts of dQ in deterministic mode).
+// values), BLOCK_N (keys per main-kernel block: the parts of dQ in deterministic mode) and
+// DQACC_FRAGMENT (dQacc in the wgmma family's fragment order: its DQ_LAYOUT; the parts of
+// deterministic mode are always in row order).
 //   attn_bwd_pre:  delta = rowsum(dO * O) and the log-sum-exp in the log2 domain, per query row,
 //                  padded to whole query blocks; zeroes the fp32 dQ accumulator when atomics
 //                  build it.
@@ -89,7 +91,17 @@ attn_bwd_post(const float* __restrict__ dQacc, const float* __restrict__ dQpart,
     x[4] += hi.x, x[5] += hi.y, x[6] += hi.z, x[7] += hi.w;
   };
   const long long at = (bh * seq_q + row) * HEAD_DIM + col;
-  if (dQpart == nullptr) {
+  if (dQpart == nullptr && DQACC_FRAGMENT) {
+    // Columns col + 2 q + {0, 1} (q = 0..3) of 16-column group g = col / 16, half h: slot
+    // g ^ (row & 1), values 4 q + 2 h + {0, 1} of it.
+    const float* slot = dQacc + (bh * seq_q + row) * HEAD_DIM +
+                        16 * ((col / 16) ^ (row & 1)) + (col / 8 % 2) * 2;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 v = *reinterpret_cast<const float2*>(slot + 4 * q);
+      x[2 * q] = v.x, x[2 * q + 1] = v.y;
+    }
+  } else if (dQpart == nullptr) {
     add(dQacc + at);
   } else {
     // The parts of the key blocks that visited this row's query block, in key order.

@@ -50,7 +50,10 @@ POINTS = {
     # buffers; p15: dQ split by query rows, a one-stage ring; p17: the timed d128 S3 point) and
     # one (p16, p18). p19-p21 read lse_log2 before the S^T wait (ROWS_EARLY): the TMA ring at
     # 240 registers with a consumer (p19) and a warp (p20) writing dQ, the cp_async ring with one
-    # warpgroup (p21).
+    # warpgroup (p21). p22-p25 stage dQ in fragment order (DQ_LAYOUT), which the last kernel
+    # un-permutes: the TMA ring with a consumer (p22, FlashAttention-3's d128 tile) and a warp
+    # with two buffers (p23) adding it, one warpgroup on the cp_async ring at swizzle 32 (p24),
+    # dQ split by query rows on the TMA ring (p25).
     "wgmma_bwd": [
         dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic"),
         dict(BLOCK_N=64, BLOCK_M=64, STAGES=1, SWIZZLE=128, DQ_ACCUM="separate"),
@@ -89,6 +92,15 @@ POINTS = {
              DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", ROWS_EARLY=True),
         dict(BLOCK_N=64, BLOCK_M=64, STAGES=2, SWIZZLE=32, DQ_ACCUM="separate", REFILL="dq",
              ROWS_EARLY=True),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment"),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_BUFFERS=2,
+             DQ_LAYOUT="fragment"),
+        dict(BLOCK_N=64, BLOCK_M=128, STAGES=1, SWIZZLE=32, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", REFILL="top", DQ_LAYOUT="fragment"),
+        dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment"),
     ],
 }
 FAMILIES = tuple(POINTS)
@@ -137,6 +149,10 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     *(("wgmma_bwd", 19, pr) for pr in PROBLEMS),
     *(("wgmma_bwd", 20, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
     ("wgmma_bwd", 21, _problem(128, "bf16", True)), ("wgmma_bwd", 21, _problem(64, "fp16", False)),
+    *(("wgmma_bwd", 22, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    *(("wgmma_bwd", 23, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    *(("wgmma_bwd", 24, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    *(("wgmma_bwd", 25, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
@@ -257,7 +273,7 @@ def inputs(shape: tuple, dtype: torch.dtype, causal: bool, seed: int = 0) -> tup
     ("wgmma_bwd", 0, True), ("wgmma_bwd", 2, False), ("wgmma_bwd", 5, True),
     ("wgmma_bwd", 6, False), ("wgmma_bwd", 10, True), ("wgmma_bwd", 11, False),
     ("wgmma_bwd", 12, True), ("wgmma_bwd", 15, True), ("wgmma_bwd", 16, True),
-    ("wgmma_bwd", 21, False)])
+    ("wgmma_bwd", 21, False), ("wgmma_bwd", 22, True), ("wgmma_bwd", 24, True)])
 def test_deterministic_results_are_bit_identical(family: str, point: int,
                                                  deterministic: bool) -> None:
     skip_unless_targeted(family)
