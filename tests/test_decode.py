@@ -183,8 +183,11 @@ def test_merge_slices_fit_where_the_ring_does() -> None:
         for head_dim in (64, 128):
             problem_ = {"HEAD_DIM": head_dim, "DTYPE": "fp16", "PAGED": True}
             admitted = space.admitted(problem_, target)
-            slices = [p for p in admitted if p["MERGE"] == "slices"]
-            atomic = [dict(p, MERGE="slices") for p in admitted if p["MERGE"] == "atomic"]
+            kernel = [p for p in admitted if p["COMBINE"] == "kernel"]  # fused: slices only
+            slices = [p for p in kernel if p["MERGE"] == "slices"]
+            atomic = [dict(p, MERGE="slices") for p in kernel if p["MERGE"] == "atomic"]
+            fused = [dict(p, COMBINE="kernel") for p in admitted if p["COMBINE"] == "fused"]
+            assert fused == slices and all(p["MERGE"] == "slices" for p in fused)
             assert slices and slices == atomic, (arch, head_dim)
             for p in slices:
                 env = space.env(p, problem_, target)
