@@ -10,45 +10,40 @@ point compiles with no spill.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from evoengine.arch import get_arch  # noqa: E402
-from evoengine.compile import compile_many, cuobjdump_path  # noqa: E402
+from evoengine.compile import compile_many  # noqa: E402
 from evoengine.render import make_candidate  # noqa: E402
 from evoengine.space import SearchSpace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMED = [  # (problem, point): the timed bulk points of benchmarks/train_step_points.json
-    ({"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": False},
-     dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic", DQ_REDUCE="bulk",
-          REFILL="top", LOADER="tma")),
-    ({"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True},
-     dict(BLOCK_N=128, BLOCK_M=64, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic", DQ_REDUCE="bulk",
-          REFILL="top", LOADER="tma", DQ_WRITER="warp")),
-    ({"HEAD_DIM": 128, "DTYPE": "fp16", "CAUSAL": False},
-     dict(BLOCK_N=128, BLOCK_M=64, STAGES=1, SWIZZLE=128, DQ_ACCUM="atomic", DQ_REDUCE="bulk",
-          REFILL="dq", LOADER="cp_async")),
-    ({"HEAD_DIM": 64, "DTYPE": "bf16", "CAUSAL": False},
-     dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic", DQ_REDUCE="bulk",
-          REFILL="top", LOADER="tma")),
-    ({"HEAD_DIM": 64, "DTYPE": "bf16", "CAUSAL": True},
-     dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic", DQ_REDUCE="bulk",
-          REFILL="dq", LOADER="cp_async")),
-]
+# The timed bulk points (TIMED) and the SASS reader of the ROWS_EARLY experiment: the same five
+# points of benchmarks/train_step_points.json, read here with DQ_LAYOUT each way.
+_spec = importlib.util.spec_from_file_location(
+    "rows_early_sass", ROOT / "experiments/2026-11-25-bwd-rows-early/rows_early_sass.py")
+_rows_early = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(_rows_early)  # type: ignore[union-attr]
+TIMED = _rows_early.TIMED
 
 
-def sass(cubin: bytes, fun: str | None = None) -> list[str]:
+def sass(cubin: bytes, fun: str) -> list[str]:
+    """The SASS lines of one kernel of a cubin."""
+    import tempfile
+
+    from evoengine.compile import cuobjdump_path
+
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        cmd = [cuobjdump_path(), "-sass"] + (["-fun", fun] if fun else []) + [f.name]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([cuobjdump_path(), "-sass", "-fun", fun, f.name],
+                             capture_output=True, text=True, check=True).stdout
     return [ln.split("*/")[1].strip() if "*/" in ln else ln.strip()
             for ln in out.splitlines() if "/*" in ln and ";" in ln]
 
