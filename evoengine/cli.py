@@ -354,7 +354,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
              else [k.strip() for k in args.kinds.split(",") if k.strip()])
     plan = tune.plan(geometry, arch, name=name, kinds=kinds, split=args.split,
                      timeout_s=args.timeout or tune.DEFAULT_TIMEOUT_S, trials=args.trials,
-                     spaces=args.space)
+                     spaces=args.space, cross=args.cross)
     if args.dry_run:
         print(plan.describe())
         return 0
@@ -584,10 +584,12 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="search every call of a model's attention, export one "
                        "module", description="Read a model's attention geometry from its "
                        "Transformers config.json (or flags), search kernels for the calls it "
-                       "makes (prefill lengths 512, 1K, 2K, ... up to its maximum, ~16K tokens "
-                       "per call), splitting one --timeout over them, and export one module "
-                       "that serves every call of that geometry. Running the same command "
-                       "again resumes: finished workloads are skipped.")
+                       "makes (prefill lengths 256, 512, 1K, ... up to its maximum, ~16K tokens "
+                       "per call), splitting one --timeout over them, choose each length's "
+                       "kernel among its neighbours' best over the lengths it will serve (the "
+                       "cross re-time), and export one module that serves every call of that "
+                       "geometry. Running the same command again resumes: finished workloads "
+                       "are skipped.")
     t.add_argument("config", nargs="?", help="the model's config.json (optional with "
                    "--q-heads and --head-dim)")
     g = t.add_argument_group("geometry (override the config's)")
@@ -614,6 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--trials", type=positive_int, help="trials per workload instead")
     t.add_argument("--split", choices=["equal", "flops"], default="equal",
                    help="how --timeout is split over the workloads (default equal)")
+    t.add_argument("--no-cross", dest="cross", action="store_false",
+                   help="skip the cross re-time: each length keeps its search's fastest "
+                   "kernel (the searches then share the whole --timeout)")
     t.add_argument("--name", help="the tune's name, prefix of its studies (default: the "
                    "config's folder or file name)")
     t.add_argument("--arch", help=f"target ({archs}; default: the GPU present)")

@@ -14,7 +14,15 @@ exports one module (``export.export_best`` with ``cover=True``): the tuned kerne
 compiled for the (dtype, causal) combinations the tune did not search, so the module
 answers every call of the geometry.
 
-The budget. ``timeout_s`` is split over the workloads not yet finished, each taking
+The cross re-time. Once every workload is searched, each kind whose problem names the
+off-ladder calls an entry serves (``Problem.cell_workloads``: the forward's and the
+backward's) has each rung's entry chosen among its own and its neighbours' elites, timed on
+the rung and a quarter octave either side (``evoengine.search.cross``): an entry serves a
+whole cell of lengths, not only the one its search timed. ``cross=False`` (``--no-cross``)
+skips it.
+
+The budget. ``timeout_s``, less ``CROSS_SHARE`` of it where the cross re-time runs (which is
+not cut short), is split over the workloads not yet finished, each taking
 ``remaining x weight / (sum of the unfinished weights)`` when it starts, so time a search
 leaves unspent (its domain exhausted) or overruns (its elites' final re-time comes after its
 own timeout) is passed on to the ones after it. Weights are ``equal`` (the default: a
@@ -47,6 +55,8 @@ from evoengine import paths
 from evoengine.arch import Arch
 from evoengine.geometry import ModelGeometry
 from evoengine.problems import PROBLEMS, Rate, Workload, problem, problem_of
+from evoengine.search import cross
+from evoengine.search.evaluator import Evaluator
 from evoengine.search.loop import SearchConfig, SearchResult, default_study, search
 from evoengine.search.progress import Progress, Tally
 from evoengine.space import SearchSpace, default_spaces
@@ -54,6 +64,8 @@ from evoengine.space import SearchSpace, default_spaces
 SPLITS = ("equal", "flops")
 MIN_SHARE_S = 10.0
 DEFAULT_TIMEOUT_S = 30 * 60.0
+# The part of --timeout kept for the cross re-time (evoengine.search.cross) when it runs.
+CROSS_SHARE = 0.1
 
 # (config, progress) -> result: ``search`` by default; tests and replays pass their own.
 Searcher = Callable[[SearchConfig, Progress], SearchResult]
@@ -85,10 +97,27 @@ class TunePlan:
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     trials: int | None = None  # per workload, instead of a time budget
     notes: tuple[str, ...] = ()  # what the plan left out, and why
+    cross: bool = True  # re-time each rung's neighbours' elites over its cell, then export
+
+    @property
+    def crossed(self) -> tuple[str, ...]:
+        """The kinds whose entries the cross re-time chooses (their problems name cells)."""
+        if not self.cross:
+            return ()
+        return tuple(k for k in self.kinds
+                     if sum(p.kind == k for p in self.parts) > 1
+                     and problem(k).cell_workloads(next(p.workload for p in self.parts
+                                                        if p.kind == k)))
+
+    def search_seconds(self) -> float | None:
+        """What of the timeout the searches share: all of it but the cross re-time's part."""
+        if self.timeout_s is None:
+            return None
+        return self.timeout_s * (1.0 - CROSS_SHARE if self.crossed else 1.0)
 
     def shares(self, seconds: float | None = None) -> list[float]:
         """Each part's share of ``seconds`` (default: the timeout), were all unfinished."""
-        total = self.timeout_s if seconds is None else seconds
+        total = self.search_seconds() if seconds is None else seconds
         weights = sum(p.weight for p in self.parts)
         return [max(MIN_SHARE_S, (total or 0.0) * p.weight / weights) for p in self.parts]
 
@@ -109,6 +138,11 @@ class TunePlan:
             lines.append(f"  {i:>3} {part.kind:<6} {getattr(w, 'batch', '-'):>5} "
                          f"{getattr(w, 'seq_k', '-'):>6} {w.flops() / 1e9:9.1f} {spend:>8}  "
                          f"{part.study}")
+        if self.crossed:
+            lines.append(f"  then the cross re-time of {', '.join(self.crossed)} (each rung's "
+                         f"and its neighbours' best {cross.PER_RUNG} on the rung and its cell"
+                         + (f", ~{CROSS_SHARE * self.timeout_s:.0f} s)" if self.timeout_s
+                            else ")"))
         return "\n".join(lines)
 
 
@@ -149,7 +183,7 @@ def spaces_for(kind: str, files: Sequence[str] | None = None) -> list[SearchSpac
 def plan(geometry: ModelGeometry, arch: Arch, *, name: str,
          kinds: Sequence[str] | None = None, split: str = "equal",
          timeout_s: float | None = DEFAULT_TIMEOUT_S, trials: int | None = None,
-         spaces: Sequence[str] | None = None) -> TunePlan:
+         spaces: Sequence[str] | None = None, cross: bool = True) -> TunePlan:
     """The workloads to search for ``geometry`` on ``arch``; see the module docstring.
     ``kinds`` None: every kind the model makes calls of (``Problem.tune_workloads``) that
     some space serves on ``arch``, each left out named in the plan's notes."""
@@ -185,7 +219,7 @@ def plan(geometry: ModelGeometry, arch: Arch, *, name: str,
         raise ValueError("no kind of call to tune: " + "; ".join(notes))
     kinds = tuple(dict.fromkeys(p.kind for p in parts))
     return TunePlan(name, geometry, arch, kinds, tuple(parts), split,
-                    None if trials is not None else timeout_s, trials, tuple(notes))
+                    None if trials is not None else timeout_s, trials, tuple(notes), cross)
 
 
 def _why_unserved(kind: str, spaces: list[SearchSpace], workloads: list[Workload],
@@ -235,6 +269,7 @@ class TuneResult:
     plan: TunePlan
     status: str  # done | interrupted
     parts: list[PartOutcome] = field(default_factory=list)
+    cells: list[cross.CellOutcome] = field(default_factory=list)  # the cross re-time's
     exported: Any = None  # export.Exported, once written
 
     def summary(self) -> str:
@@ -242,9 +277,23 @@ class TuneResult:
         skipped = sum(p.status == "skipped" for p in self.parts)
         text = (f"tune {self.plan.name} ({self.status}): {searched} workloads searched now, "
                 f"{skipped} finished before, of {len(self.plan.parts)}")
+        chosen = [c for c in self.cells if c.status == "chosen"]
+        if chosen:
+            moved = sum(c.order[0] != c.own for c in chosen)
+            text += (f"; the cross re-time chose {len(chosen)} entries, {moved} of them "
+                     "not their search's fastest")
         if self.exported is not None:
             text += f"\n{self.exported.summary()}"
         return text
+
+
+def _gpu_evaluator(options: dict[str, Any] | None) -> Callable[[Workload], Evaluator]:
+    """The cross re-time's evaluator: a GPU worker on the searches' (first) device."""
+    from evoengine.search.worker import GpuEvaluator
+
+    o = options or {}
+    device = (o.get("gpus") or [o.get("device", 0)])[0]
+    return lambda w: GpuEvaluator(w, device=device, timeout_s=o.get("eval_timeout_s", 30.0))
 
 
 def finished_studies(store: str | None) -> dict[str, int]:
@@ -259,16 +308,20 @@ def finished_studies(store: str | None) -> dict[str, int]:
 def tune(tp: TunePlan, *, store: str | None = None, output: str | Path | None = None,
          searcher: Searcher | None = None, spaces: Sequence[str] | None = None,
          options: dict[str, Any] | None = None, stream: TextIO | None = None,
-         quiet: bool = False) -> TuneResult:
-    """Search each unfinished workload of ``tp``, then export to ``output`` (None: no
-    export). ``options`` are further ``SearchConfig`` fields (seed, workers, devices...);
-    ``searcher`` defaults to ``evoengine.search.search``."""
+         quiet: bool = False,
+         cross_evaluator: Callable[[Workload], Evaluator] | None = None) -> TuneResult:
+    """Search each unfinished workload of ``tp``, run the cross re-time of the kinds it
+    chooses (``TunePlan.crossed``), then export to ``output`` (None: no export).
+    ``options`` are further ``SearchConfig`` fields (seed, workers, devices...);
+    ``searcher`` defaults to ``evoengine.search.search``, ``cross_evaluator(workload)`` to a
+    ``GpuEvaluator`` on the search's first device."""
     stream = stream if stream is not None else sys.stderr
     if output is not None:  # refused now, not after the searches
         paths.output_file(output, "module")
     run = searcher or (lambda config, progress: search(config, progress=progress))
     result = TuneResult(tp, "done")
-    deadline = None if tp.timeout_s is None else time.monotonic() + tp.timeout_s
+    seconds = tp.search_seconds()
+    deadline = None if seconds is None else time.monotonic() + seconds
     finished = finished_studies(store)
     n = len(tp.parts)
     for i, part in enumerate(tp.parts, start=1):
@@ -302,6 +355,15 @@ def tune(tp: TunePlan, *, store: str | None = None, output: str | Path | None = 
               + (f" ({found.stopped_because})" if found.stopped_because else "")
               + f": best {best}", file=stream)
         if found.status != "done":
+            result.status = "interrupted"
+            return result
+    for kind in tp.crossed:
+        rungs = [p.workload for p in tp.parts if p.kind == kind]
+        try:
+            result.cells += cross.cross_retime(
+                store, tp.arch, rungs, spaces_for(kind, spaces), tune=tp.name,
+                evaluator=cross_evaluator or _gpu_evaluator(options), stream=stream)
+        except KeyboardInterrupt:
             result.status = "interrupted"
             return result
     if output is not None:

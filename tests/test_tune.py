@@ -45,7 +45,12 @@ def any_time(params: dict[str, Any]) -> float:
 
 
 class AnyFamily(FakeEvaluator):
-    """test_search's fake evaluator, for forward and backward families alike."""
+    """test_search's fake evaluator, for forward and backward families alike; ``final_on``
+    (the cross re-time) times a point alike on every workload."""
+
+    def __init__(self, interrupt_after: int | None = None) -> None:
+        super().__init__(interrupt_after)
+        self.timed_on: list[str] = []
 
     def evaluate(self, candidate: Candidate, compiled: CompileResult) -> Evaluation:
         if self.interrupt_after is not None and len(self.evaluated) == self.interrupt_after:
@@ -59,6 +64,26 @@ class AnyFamily(FakeEvaluator):
                                 "rounds": rounds} for c, _ in entries],
                 "flash": 110.0, "cudnn": 80.0}
 
+    def final_on(self, workload: Any, entries: Any, rounds: int) -> dict[str, Any]:
+        self.timed_on.append(workload.key())
+        return self.final(entries, rounds)
+
+
+class OffLadder(AnyFamily):
+    """Times as AnyFamily's, but the candidates in ``slow`` take 3x as long off the ladder
+    (odd lengths: the cells' workloads)."""
+
+    def __init__(self, slow: set[str]) -> None:
+        super().__init__()
+        self.slow = slow
+
+    def final_on(self, workload: Any, entries: Any, rounds: int) -> dict[str, Any]:
+        timed = super().final_on(workload, entries, rounds)
+        for (c, _), t in zip(entries, timed["candidates"], strict=True):
+            if c.identity in self.slow and workload.seq_q % 2:
+                t["median_us"] *= 3
+        return timed
+
 
 def fake_search(interrupt: set[str] | None = None) -> tune.Searcher:
     """The real search loop on a fake evaluator and the stub compiler; studies whose name is
@@ -68,6 +93,12 @@ def fake_search(interrupt: set[str] | None = None) -> tune.Searcher:
         return search(replace(config, compile_workers=1), evaluator=AnyFamily(stop),
                       progress=progress, compile_fn=stub_compile)
     return run
+
+
+@pytest.fixture(autouse=True)
+def no_gpu_cross(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tune's cross re-time times on the fake evaluator, never a GPU worker."""
+    monkeypatch.setattr(tune, "_gpu_evaluator", lambda options: lambda w: AnyFamily())
 
 
 def store_url(tmp_path: Path) -> str:
@@ -116,10 +147,14 @@ def test_every_kind_plans_for_a_model(kind: str) -> None:
 
 
 def test_the_budget_splits_equally_or_by_flops() -> None:
-    equal = tune.plan(TINY, SM90, name="t", kinds=("fwd",), timeout_s=600)
+    equal = tune.plan(TINY, SM90, name="t", kinds=("fwd",), timeout_s=600, cross=False)
     assert equal.shares() == [300.0, 300.0]
+    crossed = tune.plan(TINY, SM90, name="t", kinds=("fwd",), timeout_s=600)
+    assert crossed.crossed == ("fwd",)  # the cross re-time keeps its share
+    assert crossed.shares() == pytest.approx([300.0 * (1 - tune.CROSS_SHARE)] * 2)
     g = replace(TINY, max_seq=4096, causal=False)
-    flops = tune.plan(g, SM90, name="t", kinds=("fwd",), split="flops", timeout_s=700)
+    flops = tune.plan(g, SM90, name="t", kinds=("fwd",), split="flops", timeout_s=700,
+                      cross=False)
     shares = flops.shares()
     assert sum(shares) == pytest.approx(700)
     assert shares == pytest.approx([700 * p.workload.flops() / sum(
@@ -132,7 +167,10 @@ def test_the_plan_says_what_it_will_do() -> None:
     text = tune.plan(TINY, SM90, name="tiny", kinds=("fwd", "bwd"), timeout_s=600).describe()
     assert "tune tiny on sm_90a: 4 query heads, 2 key/value heads, head dim 64" in text
     assert "4 workloads (fwd, bwd), 600 s split equal" in text
-    assert text.count("150s") == 4 and "tiny/sm_90a-b16-h4-kv2-sq1024" in text
+    assert text.count("135s") == 4 and "tiny/sm_90a-b16-h4-kv2-sq1024" in text
+    assert "then the cross re-time of fwd, bwd" in text and "~60 s" in text
+    assert "cross" not in tune.plan(TINY, SM90, name="tiny", kinds=("fwd", "bwd"),
+                                    timeout_s=600, cross=False).describe()
 
 
 @pytest.mark.parametrize("kw, says", [
@@ -198,7 +236,7 @@ def test_each_workload_gets_its_share_of_what_is_left(tmp_path: Path,
     clock = Clock()
     monkeypatch.setattr(tune.time, "monotonic", clock)
     g = replace(TINY, max_seq=2048)  # three rungs
-    tp = tune.plan(g, SM90, name="clock", kinds=("fwd",), timeout_s=300)
+    tp = tune.plan(g, SM90, name="clock", kinds=("fwd",), timeout_s=300, cross=False)
     budgets: list[float | None] = []
 
     def searcher(config: SearchConfig, progress: Progress) -> SearchResult:
@@ -230,7 +268,8 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         stream = io.StringIO()
         result = tune.tune(tp, store=store_url(root), output=root / "tiny_attention.py",
                            searcher=fake_search(), stream=stream,
-                           spaces=[*MMA, str(paths.SPACES / "mma_bwd.toml")])
+                           spaces=[*MMA, str(paths.SPACES / "mma_bwd.toml")],
+                           cross_evaluator=lambda w: AnyFamily())
     return {"root": root, "plan": tp, "result": result, "log": stream.getvalue()}
 
 
@@ -247,7 +286,12 @@ def test_a_tune_searches_every_workload_under_its_study(tuned: dict[str, Any]) -
     result, tp = tuned["result"], tuned["plan"]
     assert result.status == "done"
     assert [p.status for p in result.parts] == ["searched"] * 4
-    assert set(tune.finished_studies(store_url(tuned["root"]))) == {p.study for p in tp.parts}
+    finished = set(tune.finished_studies(store_url(tuned["root"])))
+    assert {s for s in finished if "/cross/" not in s} == {p.study for p in tp.parts}
+    assert {c.status for c in result.cells} == {"chosen"} and len(result.cells) == 4
+    for p in tp.parts:  # the rung and its cell's two workloads, each a run of its own
+        cell = problem(p.kind).cell_workloads(p.workload)
+        assert {f"tiny/cross/sm_90a-{w.key()}" for w in (p.workload, *cell)} <= finished
     log = tuned["log"]
     assert "[1/4 fwd b32-h4-kv2-sq512-sk512-d64-causal-fp16] study tiny/sm_90a-" in log
     assert "[4/4 bwd " in log and "5 trials" in log
@@ -258,8 +302,10 @@ def test_the_next_rung_is_seeded_by_the_one_before(tuned: dict[str, Any]) -> Non
     """The second forward workload's first trial is the first one's winner."""
     url = store_url(tuned["root"])
     first, second = tuned["plan"].parts[:2]
-    with Store(url) as store:
-        best = store.elites(arch="sm_90a", workload_key=first.workload.key())[0]
+    with Store(url) as store:  # its search's best (the cross re-time may since prefer another)
+        run = next(r for r in store.runs() if r.study == first.study)
+        best = min((m for m in store.measurements(run_id=run.id)
+                    if (m.extra or {}).get("phase") == "final"), key=lambda m: m.median_us or 0)
     trials = optuna.load_study(study_name=second.study, storage=url).get_trials()
     opening = min(trials, key=lambda t: t.number)
     assert opening.user_attrs["identity"] == best.identity  # same problem: same identity
@@ -273,7 +319,8 @@ def test_a_rerun_skips_finished_workloads_and_exports_again(tuned: dict[str, Any
                        searcher=fake_search(), stream=stream,
                        spaces=[*MMA, str(paths.SPACES / "mma_bwd.toml")])
     assert [p.status for p in result.parts] == ["skipped"] * 4
-    assert stream.getvalue().count("finished before") == 4 and out.is_file()
+    assert [c.status for c in result.cells] == ["skipped"] * 4
+    assert stream.getvalue().count("finished before") == 8 and out.is_file()
 
 
 def test_an_interrupted_tune_resumes_the_interrupted_workload(tmp_path: Path) -> None:
@@ -289,6 +336,53 @@ def test_an_interrupted_tune_resumes_the_interrupted_workload(tmp_path: Path) ->
     assert [p.status for p in again.parts] == ["skipped", "searched"]
     after = optuna.load_study(study_name=second, storage=store_url(tmp_path)).trials
     assert len(after) > before  # the same study, resumed
+
+
+def test_the_cross_retime_chooses_each_entry_over_its_cell(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The middle rung's search winner is 3x slower off the ladder: the cross re-time gives
+    the rung another of the candidates, the module exports that one, every time is stored
+    as a run of the workload it was taken on, and a rerun finds the rungs finished."""
+    monkeypatch.setenv("EVOENGINE_CACHE", str(tmp_path / "cache"))
+    url = store_url(tmp_path)
+    tp = tune.plan(replace(TINY, max_seq=2048), SM90, name="x", kinds=("fwd",), trials=4,
+                   spaces=MMA)
+    middle = tp.parts[1].workload
+    made: list[OffLadder] = []
+
+    def evaluator(w: Any) -> OffLadder:
+        with Store(url) as store:  # the middle rung's winner, as its search left it
+            made.append(OffLadder({store.elites(arch="sm_90a",
+                                                workload_key=middle.key())[0].identity}))
+        return made[-1]
+
+    stream = io.StringIO()
+    result = tune.tune(tp, store=url, output=tmp_path / "x.py", searcher=fake_search(),
+                       stream=stream, spaces=MMA, cross_evaluator=evaluator)
+    assert result.status == "done" and len(made) == 1
+    cells = {c.rung.key(): c for c in result.cells}
+    cell = cells[middle.key()]
+    (slow,) = made[0].slow
+    assert cell.status == "chosen" and cell.own == slow and cell.order[0] != slow
+    assert cell.scores[slow] > 2.0 and cell.scores[cell.order[0]] < 1.5
+    assert f"[cross 2/3 {middle.key()}]" in stream.getvalue() and "chose " in stream.getvalue()
+    odd = [k for k in made[0].timed_on if "sq" in k and int(k.split("-sq")[1].split("-")[0]) % 2]
+    assert len(odd) == 6 and len(made[0].timed_on) == 9  # 3 rungs x (2 off-ladder + itself)
+    with Store(url) as store:
+        assert store.elites(arch="sm_90a", workload_key=middle.key())[0].identity == cell.order[0]
+        from evoengine.export import winners
+
+        won = {w.workload.key(): w.elite.identity for w in winners(store, SM90, tune="x")}
+        assert won[middle.key()] == cell.order[0]
+        crossed = [r for r in store.runs() if "/cross/" in (r.study or "")]
+        assert len(crossed) == 9 and {r.status for r in crossed} == {"done"}
+        m = store.measurements(run_id=crossed[0].id)[0]
+        assert m.extra["phase"] == "final" and m.extra["sdpa_cudnn_us"] == 80.0
+    assert cell.order[0] in (tmp_path / "x.py").read_text()
+    again = tune.tune(tp, store=url, searcher=fake_search(), stream=io.StringIO(), spaces=MMA,
+                      cross_evaluator=evaluator)
+    assert [c.status for c in again.cells] == ["skipped"] * 3 and len(made) == 1
+    assert main(["report", "--store", url, "--tune", "x", "-o", str(tmp_path / "r.html")]) == 0
 
 
 # ---- the module it exports ------------------------------------------------------------------

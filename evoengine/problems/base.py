@@ -117,6 +117,13 @@ class Problem(abc.ABC):
         calls are shaped otherwise (decode, ragged batches) says which of its own."""
         return [self.workload_from_dict(call) for call in geometry.prefill_calls()]
 
+    def cell_workloads(self, workload: Any) -> list[Workload]:
+        """Calls off the tune's ladder that an exported entry tuned on ``workload`` serves
+        (the dispatch's nearest-length cell), for the tune's cross re-time
+        (``evoengine.search.cross``); none by default: the kind's entries are not chosen
+        across their cells."""
+        return []
+
     @abc.abstractmethod
     def add_arguments(self, parser: argparse.ArgumentParser | Any) -> None:
         """The command-line flags that name a workload of this kind."""

@@ -8,6 +8,7 @@ kernels are ``runtime.Kernel``; the anchors are SDPA's flash and cuDNN backends.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,19 @@ class Forward(Problem):
             raise ValueError("--shape B,H,S,D is required")
         return Workload.parse(args.shape, kv_heads=args.kv_heads, seq_k=args.seq_k,
                               causal=args.causal, dtype=args.dtype)
+
+    def cell_workloads(self, workload: Any) -> list[Workload]:
+        """A quarter octave below and above the workload's lengths (the middle of each half
+        of the cell [S/sqrt 2, S sqrt 2] the exported module's nearest-length dispatch gives
+        its entry), odd so that no tile divides them, at about the same tokens per call."""
+        out = []
+        for step in (-0.25, 0.25):
+            f = 2.0 ** step
+            seq_q = max(1, round(workload.seq_q * f)) | 1
+            seq_k = max(seq_q if workload.causal else 1, round(workload.seq_k * f) | 1)
+            batch = max(1, round(workload.batch * workload.seq_q / seq_q))
+            out.append(dataclasses.replace(workload, batch=batch, seq_q=seq_q, seq_k=seq_k))
+        return out
 
     def load(self, candidate: Candidate, compiled: CompileResult) -> Any:
         from evoengine.runtime import Kernel

@@ -77,6 +77,13 @@ class Evaluator(abc.ABC):
         times round-robin: ``{"candidates": [{"median_us", "spread_us"} | {"error"}],
         "flash": us | None, "cudnn": us | None}``, medians over the rounds."""
 
+    def final_on(self, workload: Any, entries: Sequence[tuple[Candidate, CompileResult]],
+                 rounds: int) -> dict[str, Any]:
+        """``final`` on another workload of the same problem (``evoengine.search.cross``
+        times an entry's neighbours across the lengths it serves). Optional: an evaluator
+        that times only its own workload raises ``EvaluatorError``."""
+        raise EvaluatorError(f"{type(self).__name__} times only its own workload")
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release the device."""
 

@@ -10,6 +10,8 @@ fresh worker starts for the next candidate. The messages, each a pickled tuple::
     parent -> worker         ("evaluate", (Candidate, CompileResult))
                              ("baseline", None)
                              ("final", ([(Candidate, CompileResult), ...], rounds))
+                             ("final_on", (workload dict, [(Candidate, CompileResult), ...],
+                                           rounds))
                              ("stop", None)
     worker -> parent         ("ok", result)  or  ("fault", "fault: ...") and the worker exits
 
@@ -168,6 +170,16 @@ class WorkerEvaluator(Evaluator):
                     "cudnn": None}
         return result
 
+    def final_on(self, workload: Workload, entries: Sequence[tuple[Candidate, CompileResult]],
+                 rounds: int) -> dict[str, Any]:
+        budget = self.timeout_s * (len(entries) + 2) * max(1, rounds) + self.start_timeout_s
+        status, result = self.request("final_on", (workload.to_dict(), list(entries), rounds),
+                                      budget)
+        if status != "ok":
+            return {"candidates": [{"error": result}] * len(entries), "flash": None,
+                    "cudnn": None}
+        return result
+
 
 class GpuEvaluator(WorkerEvaluator):
     """Evaluates on CUDA device ``device`` in a worker process running ``serve``."""
@@ -225,6 +237,9 @@ def _answer(worker: GpuWorker, op: str, payload: Any) -> Any:
         return worker.baseline()
     if op == "final":
         return worker.final(*payload)
+    if op == "final_on":  # another workload of the problem: its own inputs, this process
+        data, entries, rounds = payload
+        return GpuWorker(workload_from_dict(data), worker.device).final(entries, rounds)
     raise ValueError(f"unknown request {op!r}")
 
 

@@ -4,10 +4,11 @@ exports covering the geometry (both dtypes, both masks, any length and batch: ev
 finds a kernel of ours, tuned or derived, and passes the criterion, forward and gradients),
 and a rerun that skips every finished workload.
 
-``EVO_TUNE_TIMEOUT`` sets the budget (default 40s: four workloads of 10 s each) and
-``EVO_TUNE_KINDS`` the kinds (default fwd,bwd). Each search adds its worker's start, SDPA's
-baseline and its elites' final re-time to its share, so the whole takes minutes: a run on
-the H100 (72f7b1e, 4 workloads) was still tuning when cut at 185 s.
+``EVO_TUNE_TIMEOUT`` sets the budget (default 40s: six workloads, each held to the 10 s
+floor, then the cross re-time) and ``EVO_TUNE_KINDS`` the kinds (default fwd,bwd). Each
+search adds its worker's start, SDPA's baseline and its elites' final re-time to its share,
+so the whole takes minutes: a run on the H100 (72f7b1e, 4 workloads) was still tuning when
+cut at 185 s.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from types import ModuleType
 import pytest
 import torch
 
+from evoengine import tune as evotune
 from evoengine import validate
+from evoengine.arch import get_arch
+from evoengine.geometry import from_config
+from evoengine.problems import problem
+from evoengine.store import Store
+from evoengine.tune import TunePlan
 from tests.gpu.test_export import grads_verdict
 from tests.test_export import import_path
 
@@ -103,12 +110,37 @@ def test_gradients_of_every_dtype_and_mask(tuned: tuple[Path, ModuleType], dtype
         assert verdict.ok, f"{dtype} causal={causal} {b, h, kv, sq, sk}: {verdict.reason}"
 
 
+def plan(root: Path) -> TunePlan:
+    return evotune.plan(from_config(root / "tiny-llama" / "config.json"), get_arch("sm_90a"),
+                        name="tiny-llama", kinds=KINDS.split(","))
+
+
+def test_the_cross_retime_timed_every_rung_and_its_cell(tuned: tuple[Path, ModuleType]) -> None:
+    """Each rung of a crossed kind: a done run on it and on each of its cell's workloads,
+    holding a final-phase time of every candidate, and the rung's elites from that run."""
+    root, _ = tuned
+    tp = plan(root)
+    assert tp.crossed == tuple(KINDS.split(","))
+    with Store(f"sqlite:///{root / 'evo.db'}") as store:
+        runs = {r.study: r for r in store.runs() if "/cross/" in (r.study or "")}
+        for part in tp.parts:
+            cell = problem(part.kind).cell_workloads(part.workload)
+            for w in (*cell, part.workload):
+                run = runs[f"tiny-llama/cross/sm_90a-{w.key()}"]
+                times = [m for m in store.measurements(run_id=run.id)
+                         if m.extra.get("phase") == "final" and m.extra.get("cross")]
+                assert run.status == "done" and len(times) >= 2, w.key()
+                assert all(m.median_us and m.median_us > 0 for m in times)
+            top = store.elites(arch="sm_90a", workload_key=part.workload.key())[0]
+            assert top.run_id == runs[f"tiny-llama/cross/sm_90a-{part.workload.key()}"].id
+
+
 def test_a_rerun_skips_every_finished_workload(tuned: tuple[Path, ModuleType]) -> None:
     root, _ = tuned
     status, output = tune(root)
-    n = 2 * len(KINDS.split(","))
+    n = len(plan(root).parts)
     assert status == 0
     skipped = [line for line in output.splitlines()
                if line.startswith("[") and "finished before" in line and line.endswith("skipped")]
-    assert len(skipped) == n, output
+    assert len(skipped) == 2 * n, output  # each search, then each rung's cross re-time
     assert f"0 workloads searched now, {n} finished before, of {n}" in output
