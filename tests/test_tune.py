@@ -367,7 +367,7 @@ def test_the_cross_retime_chooses_each_entry_over_its_cell(tmp_path: Path,
     assert cell.scores[slow] > 2.0 and cell.scores[cell.order[0]] < 1.5
     assert f"[cross 2/3 {middle.key()}]" in stream.getvalue() and "chose " in stream.getvalue()
     odd = [k for k in made[0].timed_on if "sq" in k and int(k.split("-sq")[1].split("-")[0]) % 2]
-    assert len(odd) == 6 and len(made[0].timed_on) == 9  # 3 rungs x (2 off-ladder + itself)
+    assert len(odd) == 12 and len(made[0].timed_on) == 15  # 3 rungs x (4 off-ladder + itself)
     with Store(url) as store:
         assert store.elites(arch="sm_90a", workload_key=middle.key())[0].identity == cell.order[0]
         from evoengine.export import winners
@@ -375,7 +375,7 @@ def test_the_cross_retime_chooses_each_entry_over_its_cell(tmp_path: Path,
         won = {w.workload.key(): w.elite.identity for w in winners(store, SM90, tune="x")}
         assert won[middle.key()] == cell.order[0]
         crossed = [r for r in store.runs() if "/cross/" in (r.study or "")]
-        assert len(crossed) == 9 and {r.status for r in crossed} == {"done"}
+        assert len(crossed) == 15 and {r.status for r in crossed} == {"done"}
         m = store.measurements(run_id=crossed[0].id)[0]
         assert m.extra["phase"] == "final" and m.extra["sdpa_cudnn_us"] == 80.0
     assert cell.order[0] in (tmp_path / "x.py").read_text()

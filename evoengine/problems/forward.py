@@ -62,14 +62,17 @@ class Forward(Problem):
     def cell_workloads(self, workload: Any) -> list[Workload]:
         """A quarter octave below and above the workload's lengths (the middle of each half
         of the cell [S/sqrt 2, S sqrt 2] the exported module's nearest-length dispatch gives
-        its entry), odd so that no tile divides them, at about the same tokens per call."""
+        its entry), odd so that no tile divides them, each at about the workload's tokens
+        per call and at a quarter of them: the dispatch reads no batch, so an entry serves
+        small batches as well as the one it was tuned at."""
         out = []
         for step in (-0.25, 0.25):
             f = 2.0 ** step
             seq_q = max(1, round(workload.seq_q * f)) | 1
             seq_k = max(seq_q if workload.causal else 1, round(workload.seq_k * f) | 1)
             batch = max(1, round(workload.batch * workload.seq_q / seq_q))
-            out.append(dataclasses.replace(workload, batch=batch, seq_q=seq_q, seq_k=seq_k))
+            for b in dict.fromkeys((batch, max(1, round(batch / 4)))):
+                out.append(dataclasses.replace(workload, batch=b, seq_q=seq_q, seq_k=seq_k))
         return out
 
     def load(self, candidate: Candidate, compiled: CompileResult) -> Any:

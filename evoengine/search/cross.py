@@ -9,7 +9,8 @@ little way off (on the H100 a 100 s search's rank 1 at 16 x 1024 ran 11 x 1225 a
 cuDNN). ``cross_retime`` therefore takes, for each rung of one kind, the best
 ``PER_RUNG`` elites of the rung and of the rungs either side, times them all interleaved on
 the rung and on its cell's off-ladder workloads (``Problem.cell_workloads``: a quarter octave
-below and above, odd lengths), next to the problem's anchors as a search's final re-time
+below and above, odd lengths, at the rung's tokens and a quarter of them), next to the
+problem's anchors as a search's final re-time
 does, and ranks them by the geometric mean over those workloads of their time over the
 fastest one's. Rank 1 becomes the rung's entry. Kinds with no cell workloads are left as
 their searches ranked them.
