@@ -763,6 +763,27 @@ def test_hostile_input_is_one_line_before_any_launch(served: Served, entry: str,
     assert served.launches == []
 
 
+def test_a_call_made_before_is_checked_again_where_it_differs(served: Served) -> None:
+    """The eager call's checks are memoised by shapes, strides, dtypes, devices and flags:
+    the same call again launches without them, but a misaligned pointer, another head dim,
+    dtype or flag is still refused in one line, never launched."""
+    q, k, v = fake(*Q), fake(*KV), fake(*KV)
+    served.attention(q, k, v, causal=False)
+    served.attention(fake(*Q), fake(*KV), fake(*KV), causal=False)
+    assert served.launches == ["fwd", "fwd"] and len(served.attention._plans) == 1
+    with pytest.raises(ValueError, match="q must be 16-byte aligned"):
+        served.attention(misaligned(*Q), k, v, causal=False)
+    with pytest.raises(ValueError, match="fallback must be None or 'sdpa'"):
+        served.attention(q, k, v, causal=False, fallback="flash")
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        served.attention(q, k, v, causal="no")
+    with pytest.raises(ValueError, match="must share a dtype"):
+        served.attention(q, fake(*KV, dtype=torch.bfloat16), v, causal=False)
+    with pytest.raises(NoKernelError):
+        served.attention(fake(2, 8, 128, 32), fake(2, 2, 128, 32), fake(2, 2, 128, 32))
+    assert served.launches == ["fwd", "fwd"]
+
+
 def test_the_sdpa_fallback_serves_what_no_kernel_takes(served: Served) -> None:
     """float32 and head dims no kernel takes run through SDPA with fallback='sdpa', on every
     entry (a float32 model with padding reaches attention_varlen through Transformers)."""

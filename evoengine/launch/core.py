@@ -312,18 +312,36 @@ class Loaded(NamedTuple):
 
 def launch_in_context(loaded: Loaded, args: tuple) -> None:
     """cuLaunchKernel in the kernel's device context, whatever context the thread has."""
+    in_context(loaded, loaded.launch, *args)
+
+
+def in_context(loaded: Loaded, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` (a driver or runtime call) in the kernel's device context, whatever
+    context the thread has."""
     current = loaded.get_ctx()
     if current == loaded.ctx:
-        loaded.launch(*args)
+        fn(*args)
     elif current == 0:  # a thread with no context yet: bind it, as the runtime would
         loaded.set_ctx(loaded.ctx)
-        loaded.launch(*args)
-    else:  # another device is current: launch in this one's, then give it back
+        fn(*args)
+    else:  # another device is current: call in this one's, then give it back
         loaded.set_ctx(loaded.ctx)
         try:
-            loaded.launch(*args)
+            fn(*args)
         finally:
             loaded.set_ctx(current)
+
+
+def zero_int32(address: int, stream: int) -> None:
+    """Zero the int32 at ``address`` on ``stream`` (cudaMemsetAsync; in the current context)."""
+    _memset_async()(address, 0, 4, stream)
+
+
+@functools.cache
+def _memset_async() -> Callable[[int, int, int, int], None]:
+    from cupy.cuda import runtime
+
+    return runtime.memsetAsync  # type: ignore[no-any-return]
 
 
 def check_grid(p: Problem) -> None:

@@ -9,8 +9,9 @@ kv_group, total_tiles, o_sb, o_sh, o_ss, scale_log2, tile_counter)`` on a 1-D gr
 (query block, head, batch), or one block per SM when persistent. The tensor maps are 128-byte
 ``__grid_constant__`` parameters built per call with the driver's ``cuTensorMapEncodeTiled``
 (``tma.py``) over (head_dim, seq, heads, batch) with the tensors' own strides.
-``tile_counter`` (int32*) is where a dynamically scheduled kernel draws its tiles: a fresh
-zero per launch, allocated on the launch's stream; null for every other kernel.
+``tile_counter`` (int32*) is where a dynamically scheduled kernel draws its tiles: one int32
+per (kernel, device, stream), zeroed on the stream right before each launch (a memset node
+when a graph is captured, so every replay starts from zero too); null for every other kernel.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ from evoengine.launch.core import (
     check_out,
     cubin_runs_on,
     device_arch,
+    in_context,
     launch_in_context,
     raw_stream,
     sm_count,
     sm_number,
     softmax_scale,
+    zero_int32,
 )
 from evoengine.launch.tma import (
     TMA_ARG_OFFSETS,
@@ -99,6 +102,8 @@ class CudaKernel:
         self.tma = tma
         self.entry = entry  # the function of the cubin or source (a backward has several)
         self._maps: dict[tuple, bytes] = {}  # tensor maps by (pointer, shape, strides, rows)
+        # dynamic schedule: the tile counter of each (device, stream), kept for the kernel's life
+        self._counters: dict[tuple[int, int], Tensor] = {}
         self._loaded: dict[int, Loaded] = {}
         self._load_lock = threading.Lock()
         # One argument buffer per kernel, and the array of pointers into it that
@@ -236,19 +241,28 @@ class CudaKernel:
                 self._tensor_map(v, self.tma.block_n))
         os_ = out.stride()
         stream = raw_stream(index)
-        # A fresh counter per launch, zeroed on this stream before the kernel runs: launches on
-        # other streams, replays of a captured graph, and a launch after one that trapped each
-        # start from zero. Dropping it after the launch is enqueued is safe: the caching
-        # allocator hands the block out again only to work ordered after this stream's kernel.
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.tma.dynamic else None
-        with self._lock:
+        with self._lock:  # the argument buffer and the counters: one launch at a time
+            counter = self._counter(q.device, stream) if self.tma.dynamic else 0
             TMA_ARGS.pack_into(
                 self._args, 0, *maps, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
                 p.seq_q, p.seq_k, p.heads, p.heads // p.kv_heads, tiles, os_[0], os_[1], os_[2],
-                scale * LOG2E, 0 if counter is None else counter.data_ptr())
+                scale * LOG2E, counter)
+            if counter:  # zeroed on this stream right before the launch that draws from it
+                in_context(loaded, zero_int32, counter, stream)
             launch_in_context(loaded, (loaded.fn, grid, 1, 1, self.threads, 1, 1,
                                         self.smem_bytes, stream, self._argv_ptr, 0))
-        del counter  # only now: the launch has read its address
+
+    def _counter(self, device: torch.device, stream: int) -> int:
+        """The address of this kernel's tile counter for launches on ``stream``: launches on
+        one stream run in order, so one int32 zeroed before each serves them all (and graph
+        replays, and a launch after one that trapped); streams have their own, as their
+        launches may overlap. A graph captures the memset with the launch. (Two graphs
+        captured on one stream and replayed at once on two streams would share it.)"""
+        key = (device.index if device.index is not None else -1, stream)
+        found = self._counters.get(key)
+        if found is None:
+            found = self._counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        return found.data_ptr()
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
                  out: Tensor | None = None, lse: Tensor | None = None) -> Tensor:

@@ -73,6 +73,7 @@ class TunedAttention:
                                  f"which is compiled for another problem")
         self.provenance = dict(provenance or {})
         self._choices: dict[tuple, Any] = {}
+        self._plans: dict[tuple, tuple[Problem, bool, float, Any]] = {}  # eager calls' checks
         self._refused: dict[tuple, str] = {}  # why a kernel would not load on a device
         self._op, self.namespace = _define_op(self, namespace)
 
@@ -134,7 +135,32 @@ class TunedAttention:
 
     def _plan(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None,
               fallback: str | None) -> tuple[Problem, bool, float, CudaKernel | None]:
-        """A forward call's checked shapes, causal flag, scale and kernel (None: SDPA)."""
+        """A forward call's checked shapes, causal flag, scale and kernel (None: SDPA).
+
+        Memoised by everything the checks read but the data pointers (shapes, strides,
+        dtypes, devices, the flags and their types), whose alignment a kernel's call checks
+        again each time: a model makes the same calls over and over, and the checks are most
+        of an eager call's host time."""
+        try:
+            key: tuple | None = (
+                q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
+                k.dtype, v.dtype, q.device, k.device, v.device, type(causal), causal,
+                type(scale), scale, fallback)
+            planned = self._plans.get(key)  # type: ignore[arg-type]
+        except (AttributeError, TypeError):  # not tensors, an unhashable flag: checked below
+            key, planned = None, None
+        if planned is not None and (planned[3] is None
+                                    or not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16):
+            return planned
+        planned = self._check_plan(q, k, v, causal, scale, fallback)
+        if key is not None:
+            if len(self._plans) > 1024:  # lengths vary without bound; keep the cache small
+                self._plans.clear()
+            self._plans[key] = planned
+        return planned
+
+    def _check_plan(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None,
+                    fallback: str | None) -> tuple[Problem, bool, float, CudaKernel | None]:
         check_fallback(fallback)
         p = check_inputs(q, k, v, any_float=fallback is not None, aligned=fallback is None)
         check_grid(p)
