@@ -383,6 +383,8 @@ def test_the_cross_retime_chooses_each_entry_over_its_cell(tmp_path: Path,
                       cross_evaluator=evaluator)
     assert [c.status for c in again.cells] == ["skipped"] * 3 and len(made) == 1
     assert main(["report", "--store", url, "--tune", "x", "-o", str(tmp_path / "r.html")]) == 0
+    page = (tmp_path / "r.html").read_text()
+    assert "cross re-time: it times other searches" in page and "no Optuna study" not in page
 
 
 # ---- the module it exports ------------------------------------------------------------------

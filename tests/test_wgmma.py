@@ -461,8 +461,8 @@ class _FakeLaunch:
 def test_launch_passes_a_fresh_zero_counter_only_when_dynamic(
         scheduler: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher's side of the ABI, on CPU tensors with the driver faked: a dynamic kernel
-    gets the address of a zeroed int32 per launch (whatever the last launch left in its
-    counter), a static one null."""
+    gets its stream's int32, zeroed right before each launch (whatever the last launch left
+    in it), a static one null and no memset."""
     params = {**BASE, "PERSISTENT": True, "SCHEDULER": scheduler}
     c = make_candidate(space(), params, HD128, SM90)
     k = CudaKernel(c.identity, head_dim=128, dtype="bf16", causal=True, block_m=c.block_m,
@@ -470,6 +470,13 @@ def test_launch_passes_a_fresh_zero_counter_only_when_dynamic(
                    tma=tma_params(c.family, c.params))
     fake = _FakeLaunch(k)
     monkeypatch.setattr(launch_forward, "launch_in_context", fake)
+    zeroed: list[int] = []
+
+    def zero(address: int, stream: int) -> None:  # cudaMemsetAsync, on the CPU
+        ctypes.c_int32.from_address(address).value = 0
+        zeroed.append(address)
+    monkeypatch.setattr(launch_forward, "zero_int32", zero)
+    monkeypatch.setattr(launch_forward, "in_context", lambda loaded, fn, *args: fn(*args))
     monkeypatch.setattr(launch_forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(launch_forward, "raw_stream", lambda index: 0)
     monkeypatch.setattr(k, "_tensor_map", lambda t, rows: bytes(128))
@@ -480,10 +487,11 @@ def test_launch_passes_a_fresh_zero_counter_only_when_dynamic(
     for _ in range(2):
         k.launch(q, q, q, torch.empty_like(q), None, p, 0.1)
     if scheduler == "static":
-        assert fake.counters == [(0, None), (0, None)]
+        assert fake.counters == [(0, None), (0, None)] and zeroed == []
     else:
-        assert len(fake.counters) == 2
-        assert all(address != 0 and value == 0 for address, value in fake.counters)
+        (address, _), _ = fake.counters
+        assert address != 0 and fake.counters == [(address, 0), (address, 0)]
+        assert zeroed == [address, address]
 
 
 def test_a_wgmma_kernel_refuses_other_gpus(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from evoengine import paths
 from evoengine.report.gather import Gathered, Selection, gather
 from evoengine.report.importance import StudyImportance, study_importances
+from evoengine.search.cross import is_cross_study
 from evoengine.store import Store
 
 __all__ = ["Report", "Selection", "write_report"]
@@ -53,7 +54,11 @@ def write_report(store: str | os.PathLike[str] | None, selection: Selection,
     importances: dict[str, StudyImportance] = {}
     for r in gathered.runs:
         if r.study and r.study not in importances:
-            importances[r.study] = study_importances(url, r.study)
+            importances[r.study] = (
+                StudyImportance(r.study, notes=(
+                    "a tune's cross re-time: it times other searches' elites, so it has no "
+                    "trials of its own to read importances from",))
+                if is_cross_study(r.study) else study_importances(url, r.study))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(gathered, importances, selection.describe()), encoding="utf-8")
     return Report(path, len(gathered.runs), len(gathered.workloads))

@@ -76,6 +76,11 @@ def cross_study(tune: str, arch: Arch, workload: Workload) -> str:
     return f"{tune}/cross/{arch.name}-{workload.key()}"
 
 
+def is_cross_study(study: str) -> bool:
+    """Whether ``study`` names a cross re-time's runs (``cross_study``), not a search."""
+    return "/cross/" in study
+
+
 def candidates_for(store: Store, arch: Arch, rungs: Sequence[Workload], i: int
                    ) -> list[str]:
     """Identities to time for rung ``i``: the best ``PER_RUNG`` elites of it, then of the
