@@ -19,7 +19,6 @@ L2). Rows: ``shape`` [B, H, S, D], ``causal``, ``dtype``, ``ours_us``, ``sdpa_cu
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import random
@@ -31,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evoengine import measure, validate  # noqa: E402
+from evoengine.export import import_module_file  # noqa: E402
 from evoengine.geometry import from_config  # noqa: E402
 from evoengine.provenance import header, local_device  # noqa: E402
 from evoengine.workload import Workload  # noqa: E402
@@ -51,14 +51,6 @@ def draw_shapes(n: int, seed: int, max_tokens: int) -> list[tuple[int, int]]:
     return out
 
 
-def import_module(path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 def main() -> None:
     import torch
@@ -75,7 +67,7 @@ def main() -> None:
     args = ap.parse_args()
 
     geo = from_config(args.config)
-    attention = import_module(args.module).attention
+    attention = import_module_file(args.module).attention
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[geo.dtype]
     rows: list[dict[str, Any]] = []
     refused = failed = 0

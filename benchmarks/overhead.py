@@ -22,7 +22,6 @@ contiguous.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -73,12 +72,10 @@ def load_attention(args: argparse.Namespace) -> Any:
     if args.demo:
         args.module = str(demo_module(Path(tempfile.mkdtemp()), args.head_dim, args.causal))
     if args.module:
-        spec = importlib.util.spec_from_file_location("tuned_attention_bench", args.module)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module.attention
+        sys.path.insert(0, str(ROOT))
+        from evoengine.export import import_module_file
+
+        return import_module_file(args.module, "tuned_attention_bench").attention
     sys.path.insert(0, str(ROOT))
     import evoengine
 

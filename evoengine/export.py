@@ -21,6 +21,7 @@ import os
 import pprint
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import sqlalchemy as sa
@@ -327,6 +328,24 @@ def load(store: str | os.PathLike[str] | None = DEFAULT_STORE, arch: Arch | str 
     kernels = [kernel_from_spec(spec, arch.name) for spec in specs]
     return TunedAttention(kernels, entries, namespace=namespace_of(specs, entries, "evoload"),
                           provenance=prov)
+
+
+def import_module_file(path: str | os.PathLike[str], name: str | None = None) -> ModuleType:
+    """Import an exported module from its file, as ``name`` (default: the file's stem),
+    registered in ``sys.modules`` as an import would be (its dataclasses look their module up
+    there): for tools and tests that hold a module's path rather than a place on sys.path."""
+    import importlib.util
+    import sys
+
+    path = Path(path)
+    name = name or path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ExportError(f"{path} is not a Python module file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 # how a summary names each kind

@@ -9,7 +9,6 @@ Cubins for sm_90a compile offline, into a compile cache private to this module.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -27,6 +26,7 @@ from evoengine import launch, paths
 from evoengine.arch import get_arch
 from evoengine.compile import compile_candidate
 from evoengine.export import ExportError, export_best, load, render_module
+from evoengine.export import import_module_file as import_path
 from evoengine.problems.backward import BackwardWorkload
 from evoengine.render import (
     Candidate,
@@ -121,14 +121,6 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
         out = export_best(str(db), "sm_90a", output=root / "tuned_attention.py")
         yield Built(db, out.path, out.path.read_text(), a, b, c, bwd, loser)
 
-
-def import_path(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # as an import does: dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

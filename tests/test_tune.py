@@ -7,11 +7,9 @@ written by the tests; the exported kernels compile offline for sm_90a.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import re
-import sys
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 from evoengine import paths, tune
 from evoengine.cli import main
 from evoengine.compile import CompileResult
+from evoengine.export import import_module_file as import_path
 from evoengine.geometry import ModelGeometry
 from evoengine.problems import PROBLEMS, problem
 from evoengine.problems.backward import Backward
@@ -272,14 +271,6 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                            cross_evaluator=lambda w: AnyFamily())
     return {"root": root, "plan": tp, "result": result, "log": stream.getvalue()}
 
-
-def import_path(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_tune_searches_every_workload_under_its_study(tuned: dict[str, Any]) -> None:

@@ -14,7 +14,6 @@ Result: benchmarks/results/2026-11-25-h100-eager-host-path.json.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import statistics
@@ -28,17 +27,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from evoengine import measure
+from evoengine.export import import_module_file
 
 SHAPES = ((16, 353), (13, 434), (16, 305), (1, 385), (8, 1501))
 
-
-def load(path: str, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def host(fn: Callable[[], object], n: int = 400) -> float:
@@ -80,7 +72,8 @@ def time_shape(modules: dict[str, ModuleType], b: int, length: int) -> dict[str,
 
 
 def main() -> None:
-    modules = {"before": load(sys.argv[1], "before_mod"), "after": load(sys.argv[2], "after_mod")}
+    modules = {"before": import_module_file(sys.argv[1], "before_mod"),
+               "after": import_module_file(sys.argv[2], "after_mod")}
     rows = []
     for b, length in SHAPES:
         rows.append(time_shape(modules, b, length))
