@@ -7,8 +7,8 @@ and a rerun that skips every finished workload.
 ``EVO_TUNE_TIMEOUT`` sets the budget (default 40s: six workloads, each held to the 10 s
 floor, then the cross re-time) and ``EVO_TUNE_KINDS`` the kinds (default fwd,bwd). Each
 search adds its worker's start, SDPA's baseline and its elites' final re-time to its share,
-so the whole takes minutes: a run on the H100 (72f7b1e, 4 workloads) was still tuning when
-cut at 185 s.
+so the whole takes minutes: on the H100 at d470f69 (6 workloads, the cross re-time, the
+export, the checks and the rerun) the file took 349 s, 7 passed.
 """
 
 from __future__ import annotations
