@@ -376,6 +376,7 @@ def test_the_cross_retime_chooses_each_entry_over_its_cell(tmp_path: Path,
     assert main(["report", "--store", url, "--tune", "x", "-o", str(tmp_path / "r.html")]) == 0
     page = (tmp_path / "r.html").read_text()
     assert "cross re-time: it times other searches" in page and "no Optuna study" not in page
+    assert page.count("No search evaluated points on this workload") == 12  # the off-ladder ones
 
 
 # ---- the module it exports ------------------------------------------------------------------

@@ -61,10 +61,16 @@ def _workload(w: WorkloadReport, importances: Mapping[str, StudyImportance]) -> 
            f'<p class="meta">Problem kind <code>{escape(w.kind)}</code>; studies: '
            + ", ".join(f"<code>{escape(s)}</code>" for s in w.studies)
            + f"; runs {', '.join(str(r.id) for r in w.runs)}.</p>"]
-    out += ['<section class="progress">', "<h3>Best time against evaluations</h3>",
-            "<p>Per study, the fastest valid search-phase time after each evaluation (failed "
-            "evaluations count); dotted: the anchors of the final re-time below.</p>",
-            f"<figure>{plots.progression(w)}</figure>", "</section>"]
+    if any(p.best_us for p in w.progressions):
+        out += ['<section class="progress">', "<h3>Best time against evaluations</h3>",
+                "<p>Per study, the fastest valid search-phase time after each evaluation "
+                "(failed evaluations count); dotted: the anchors of the final re-time below.</p>",
+                f"<figure>{plots.progression(w)}</figure>", "</section>"]
+    else:  # re-timed only: a tune's cross re-time times its rungs' candidates off the ladder
+        out += ['<section class="progress">', "<h3>Best time against evaluations</h3>",
+                '<p class="note">No search evaluated points on this workload: its times are '
+                "re-times only (a tune's cross re-time times the candidates for a neighbouring "
+                "rung's entry here).</p>", "</section>"]
     out += _anchors(w)
     out += _elites(w)
     out += ['<section class="importance">', "<h3>Parameter importances</h3>"]
