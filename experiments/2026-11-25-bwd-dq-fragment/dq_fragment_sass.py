@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,55 +23,19 @@ from evoengine.render import make_candidate  # noqa: E402
 from evoengine.space import SearchSpace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-# The timed bulk points (TIMED) and the SASS reader of the ROWS_EARLY experiment: the same five
-# points of benchmarks/train_step_points.json, read here with DQ_LAYOUT each way.
+# The timed bulk points (TIMED), the SASS reader and the base checkout's build of the ROWS_EARLY
+# experiment: the same five points of benchmarks/train_step_points.json, here with DQ_LAYOUT
+# each way.
 _spec = importlib.util.spec_from_file_location(
     "rows_early_sass", ROOT / "experiments/2026-11-25-bwd-rows-early/rows_early_sass.py")
 _rows_early = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(_rows_early)  # type: ignore[union-attr]
-TIMED = _rows_early.TIMED
-
-
-def sass(cubin: bytes, fun: str) -> list[str]:
-    """The SASS lines of one kernel of a cubin."""
-    import tempfile
-
-    from evoengine.compile import cuobjdump_path
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([cuobjdump_path(), "-sass", "-fun", fun, f.name],
-                             capture_output=True, text=True, check=True).stdout
-    return [ln.split("*/")[1].strip() if "*/" in ln else ln.strip()
-            for ln in out.splitlines() if "/*" in ln and ";" in ln]
+TIMED, sass, base_cubins = _rows_early.TIMED, _rows_early.sass, _rows_early.base_cubins
 
 
 def count(lines: list[str], op: str) -> int:
     return sum(ln.split()[0].split(".")[0] == op or (ln.startswith("@") and
                ln.split()[1].split(".")[0] == op) for ln in lines if ln.split())
-
-
-def base_cubins(base: Path, points: list) -> list[bytes]:
-    out = subprocess.run(
-        [sys.executable, "-c", (
-            "import sys, json; sys.path.insert(0, sys.argv[1]);"
-            "from evoengine.arch import get_arch; from evoengine.compile import compile_many;"
-            "from evoengine.render import make_candidate; from evoengine.space import "
-            "SearchSpace; from pathlib import Path;"
-            "a = get_arch('sm_90a'); s = SearchSpace.load(Path(sys.argv[1]) / "
-            "'search_spaces/wgmma_bwd.toml').with_untested();"
-            "pts = json.loads(sys.argv[2]);"
-            "cs = [make_candidate(s, s.complete(p), pr, a) for pr, p in pts];"
-            "sys.stdout.buffer.write(b''.join(len(r.cubin).to_bytes(8, 'little') + r.cubin"
-            " for r in compile_many(cs, a)))"), str(base), json.dumps(points)],
-        capture_output=True, check=True, cwd=base).stdout
-    cubins, i = [], 0
-    while i < len(out):
-        n = int.from_bytes(out[i:i + 8], "little")
-        cubins.append(out[i + 8:i + 8 + n])
-        i += 8 + n
-    return cubins
 
 
 def main() -> None:

@@ -42,14 +42,39 @@ TIMED = [  # (problem, point): the timed tma points of benchmarks/train_step_poi
 ]
 
 
-def sass(cubin: bytes) -> list[str]:
+def sass(cubin: bytes, fun: str | None = None) -> list[str]:
+    """The SASS lines of a cubin, or of its kernel ``fun``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([cuobjdump_path(), "-sass", f.name], capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run([cuobjdump_path(), "-sass", *(("-fun", fun) if fun else ()), f.name],
+                             capture_output=True, text=True, check=True).stdout
     return [ln.split("*/")[1].strip() if "*/" in ln else ln.strip()
             for ln in out.splitlines() if "/*" in ln and ";" in ln]
+
+
+def base_cubins(base: Path, points: list) -> list[bytes]:
+    """The cubins the checkout ``base`` builds for (problem, point) ``points`` of wgmma_bwd,
+    compiled by that checkout's own evoengine in a child process."""
+    out = subprocess.run(
+        [sys.executable, "-c", (
+            "import sys, json; sys.path.insert(0, sys.argv[1]);"
+            "from evoengine.arch import get_arch; from evoengine.compile import compile_many;"
+            "from evoengine.render import make_candidate; from evoengine.space import "
+            "SearchSpace; from pathlib import Path;"
+            "a = get_arch('sm_90a'); s = SearchSpace.load(Path(sys.argv[1]) / "
+            "'search_spaces/wgmma_bwd.toml').with_untested();"
+            "pts = json.loads(sys.argv[2]);"
+            "cs = [make_candidate(s, s.complete(p), pr, a) for pr, p in pts];"
+            "sys.stdout.buffer.write(b''.join(len(r.cubin).to_bytes(8, 'little') + r.cubin"
+            " for r in compile_many(cs, a)))"), str(base), json.dumps(points)],
+        capture_output=True, check=True, cwd=base).stdout
+    cubins, i = [], 0
+    while i < len(out):
+        n = int.from_bytes(out[i:i + 8], "little")
+        cubins.append(out[i + 8:i + 8 + n])
+        i += 8 + n
+    return cubins
 
 
 def main() -> None:
@@ -74,25 +99,7 @@ def main() -> None:
                        "lds_before_first_wgmma_wait": lds_before, "error": res.error})
         print(json.dumps(report[-1]))
     if args.base:
-        sys.path.insert(0, str(args.base))
-        base = subprocess.run(
-            [sys.executable, "-c", (
-                "import sys, json; sys.path.insert(0, sys.argv[1]);"
-                "from evoengine.arch import get_arch; from evoengine.compile import compile_many;"
-                "from evoengine.render import make_candidate; from evoengine.space import "
-                "SearchSpace; from pathlib import Path;"
-                "a = get_arch('sm_90a'); s = SearchSpace.load(Path(sys.argv[1]) / "
-                "'search_spaces/wgmma_bwd.toml').with_untested();"
-                "pts = json.loads(sys.argv[2]);"
-                "cs = [make_candidate(s, s.complete(p), pr, a) for pr, p in pts];"
-                "sys.stdout.buffer.write(b''.join(len(r.cubin).to_bytes(8, 'little') + r.cubin"
-                " for r in compile_many(cs, a)))"), str(args.base), json.dumps(TIMED)],
-            capture_output=True, check=True, cwd=args.base).stdout
-        cubins, i = [], 0
-        while i < len(base):
-            n = int.from_bytes(base[i:i + 8], "little")
-            cubins.append(base[i + 8:i + 8 + n])
-            i += 8 + n
+        cubins = base_cubins(args.base, TIMED)
         olds = [c for c in cands if not c.params["ROWS_EARLY"]]
         legacy = list(zip(olds, compile_many(olds, arch), strict=True))
         for (cand, res), old in zip(legacy, cubins, strict=True):
