@@ -25,7 +25,7 @@ def wgmma_point(**override: object) -> dict[str, object]:
     ping-pong, one block per tile, per-head order, static schedule; with ``override``."""
     return {**dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
                    INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-                   SCHEDULER="static"), **override}
+                   SCHEDULER="static", LAZY_RESCALE=False), **override}
 
 
 # Hand-picked points spanning each family's parameters (stages, swizzle, Q placement,
@@ -46,7 +46,8 @@ CONFIGS = {
         dict(BLOCK_M=32, BLOCK_N=32, NUM_WARPS=2, STAGES=3, SWIZZLE="none", Q_IN_REGS=True),
     ],
     # sm_90a only: 1, 2 and 3 consumer warpgroups, each swizzle width, P from registers and
-    # shared memory, with and without intra-warpgroup overlap, ping-pong and a persistent grid.
+    # shared memory, with and without intra-warpgroup overlap, ping-pong, a persistent grid,
+    # and the lazy rescale with the overlap and without.
     "wgmma": [
         wgmma_point(),
         wgmma_point(BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem", INTRA_WG_OVERLAP=False,
@@ -55,6 +56,8 @@ CONFIGS = {
                     PERSISTENT=True),
         wgmma_point(BLOCK_M=64, BLOCK_N=176),
         wgmma_point(BLOCK_N=96, SWIZZLE=32, P_FROM="smem", PINGPONG=True),
+        wgmma_point(BLOCK_M=192, PINGPONG=True, PERSISTENT=True, LAZY_RESCALE=True),
+        wgmma_point(BLOCK_N=64, STAGES=3, INTRA_WG_OVERLAP=False, LAZY_RESCALE=True),
     ],
 }
 
@@ -153,10 +156,11 @@ def test_row_max_growing_along_the_keys(causal: bool) -> None:
     assert verdict.ok, verdict.reason
 
 
-@pytest.mark.parametrize("idx", [0, 1])
+@pytest.mark.parametrize("idx", [0, 1, 5, 6])
 @pytest.mark.parametrize("causal", [False, True])
 def test_wgmma_row_max_growing_along_the_keys(causal: bool, idx: int) -> None:
-    """The online rescale of O (overlapped with P.V, and not) when every block raises the max."""
+    """The online rescale of O (overlapped with P.V, and not; eager and lazy) when every block
+    raises the max."""
     need_family("wgmma")
     problem = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=causal)
     (kernel,) = build([make_candidate(space("wgmma"), CONFIGS["wgmma"][idx], problem,
@@ -178,6 +182,37 @@ def growing_scores_verdict(kernel: Kernel, causal: bool) -> validate.Verdict:
     torch.cuda.synchronize()
     ref, ref_lse = validate.reference(q, k, v, causal=causal)
     return validate.judge(out, ref, validate.sdpa(q, k, v, causal=causal), lse, ref_lse)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("idx", [0, 5, 6])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wgmma_one_key_dominates_a_later_block(causal: bool, idx: int, dtype: str) -> None:
+    """A key that outweighs every other comes after the block that set the row max, less than
+    2^RESCALE_LOG2 above it: a lazy rescale keeps the stale max, so that key's P is ~3.7,
+    rounded for P.V while the row sum adds it unrounded (eager: exactly 1). Attention sinks
+    and retrieval heads make such rows common; the criterion must still hold."""
+    need_family("wgmma")
+    problem = dict(HEAD_DIM=64, DTYPE=dtype, CAUSAL=causal)
+    (kernel,) = build([make_candidate(space("wgmma"), CONFIGS["wgmma"][idx], problem,
+                                      gpu_arch())])
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    sq, sk, d = 100, 600, 64
+    torch_dtype = TORCH_DTYPE[dtype]
+    q = 0.05 * torch.randn(1, 2, sq, d, generator=gen, device="cuda")
+    q[..., 0] += 4.0
+    k = 0.3 * torch.randn(1, 2, sk, d, generator=gen, device="cuda")
+    k[:, :, 70, 0] = 16.0   # score ~8 in block 0: sets the max
+    k[:, :, 300, 0] = 18.5  # score ~9.25, 1.25 nats (1.8 in log2) above it: dominates
+    v = torch.randn(1, 2, sk, d, generator=gen, device="cuda")
+    q, k, v = (t.to(torch_dtype) for t in (q, k, v))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((1, 2, sq), float("nan"), device="cuda")
+    kernel(q, k, v, out=out, lse=lse)
+    torch.cuda.synchronize()
+    ref, ref_lse = validate.reference(q, k, v, causal=causal)
+    verdict = validate.judge(out, ref, validate.sdpa(q, k, v, causal=causal), lse, ref_lse)
+    assert verdict.ok, f"{kernel.candidate.identity}: {verdict.reason}"
 
 
 @pytest.mark.parametrize("family", CONFIGS)

@@ -1,0 +1,86 @@
+"""LAZY_RESCALE offline (NVRTC, sm_90a, no GPU): the winners of the FA4 re-time
+(benchmarks/results/2026-11-24-h100-wgmma-retime-fa4.json), each built eager and lazy:
+registers, spills, and the static opcode counts of the unmasked key loop (the first loop that
+issues HGMMA). With --base (a checkout of the commit before LAZY_RESCALE) the eager builds
+are compared with what that checkout builds, instruction by instruction.
+
+    python experiments/2026-11-25-wgmma-lazy/lazy_sass.py [--base /path/to/checkout]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from sass_report import disassemble, tensor_loops  # noqa: E402
+
+from evoengine.arch import get_arch  # noqa: E402
+from evoengine.compile import compile_many  # noqa: E402
+from evoengine.render import make_candidate  # noqa: E402
+from evoengine.space import SearchSpace  # noqa: E402
+
+RESULTS = ROOT / "benchmarks/results/2026-11-24-h100-wgmma-retime-fa4.json"
+KEYS = ["FMUL", "FFMA", "MUFU", "FMNMX", "FADD", "BRA"]
+
+
+def winners() -> list[tuple[dict, dict]]:
+    rows = json.loads(RESULTS.read_text())["rows"]
+    return [({"HEAD_DIM": r["shape"][3], "DTYPE": r["dtype"], "CAUSAL": r["causal"]}, r["params"])
+            for r in rows]
+
+
+def base_sass(base: Path, points: list) -> list[list[str]]:
+    """Each (problem, point)'s SASS text as checkout ``base`` builds it (its own evoengine)."""
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "
+        "'/benchmarks'); from sass_report import disassemble; from evoengine.arch import "
+        "get_arch; from evoengine.compile import compile_many; from evoengine.render import "
+        "make_candidate; from evoengine.space import SearchSpace; from pathlib import Path;"
+        "a = get_arch('sm_90a'); s = SearchSpace.load(Path(sys.argv[1]) / "
+        "'search_spaces/wgmma.toml'); pts = json.loads(sys.argv[2]);"
+        "cs = [make_candidate(s, s.complete(p), pr, a) for pr, p in pts];"
+        "print(json.dumps([[i[2] + ' ' + i[3] for i in disassemble(r.cubin)] "
+        "for r in compile_many(cs, a)]))")
+    out = subprocess.run([sys.executable, "-c", code, str(base), json.dumps(points)],
+                         capture_output=True, text=True, check=True, cwd=base).stdout
+    return json.loads(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", type=Path, help="a checkout of the commit before LAZY_RESCALE")
+    args = ap.parse_args()
+    arch = get_arch("sm_90a")
+    space = SearchSpace.load(ROOT / "search_spaces/wgmma.toml")
+    pts = winners()
+    cands = [make_candidate(space, {**p, "LAZY_RESCALE": lazy}, pr, arch)
+             for pr, p in pts for lazy in (False, True)]
+    results = compile_many(cands, arch)
+    old = base_sass(args.base, pts) if args.base else None
+    print(f"{'workload':<24} {'rescale':<7} {'regs':>4} {'spill':>5} {'loop':>5} "
+          + " ".join(f"{k:>5}" for k in KEYS) + ("  same as base" if old else ""))
+    for i, (c, r) in enumerate(zip(cands, results, strict=True)):
+        assert r.ok, (c.identity, r.error)
+        code = disassemble(r.cubin)
+        loop = tensor_loops(code)
+        body = [lp for lp in loop if lp.get("HGMMA")][0]
+        pr = pts[i // 2][0]
+        name = f"d{pr['HEAD_DIM']} {pr['DTYPE']} {'causal' if pr['CAUSAL'] else 'full'}"
+        lazy = c.params["LAZY_RESCALE"]
+        same = ""
+        if old and not lazy:
+            same = "  yes" if [x[2] + " " + x[3] for x in code] == old[i // 2] else "  NO"
+        print(f"{name:<24} {'lazy' if lazy else 'eager':<7} {r.registers:>4} {r.spill_bytes:>5} "
+              f"{body['total']:>5} " + " ".join(f"{body.get(k, 0):>5}" for k in KEYS)
+              + same)
+
+
+if __name__ == "__main__":
+    main()
