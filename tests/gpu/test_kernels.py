@@ -56,7 +56,7 @@ CONFIGS = {
                     PERSISTENT=True),
         wgmma_point(BLOCK_M=64, BLOCK_N=176),
         wgmma_point(BLOCK_N=96, SWIZZLE=32, P_FROM="smem", PINGPONG=True),
-        wgmma_point(BLOCK_M=192, PINGPONG=True, PERSISTENT=True, LAZY_RESCALE=True),
+        wgmma_point(PINGPONG=True, PERSISTENT=True, LAZY_RESCALE=True),
         wgmma_point(BLOCK_N=64, STAGES=3, INTRA_WG_OVERLAP=False, LAZY_RESCALE=True),
     ],
 }
