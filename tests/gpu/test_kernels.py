@@ -25,7 +25,7 @@ def wgmma_point(**override: object) -> dict[str, object]:
     ping-pong, one block per tile, per-head order, static schedule; with ``override``."""
     return {**dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
                    INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-                   SCHEDULER="static", LAZY_RESCALE=False), **override}
+                   SCHEDULER="static", LAZY_RESCALE=False, PIN_PV_WAIT=False), **override}
 
 
 # Hand-picked points spanning each family's parameters (stages, swizzle, Q placement,
@@ -47,7 +47,7 @@ CONFIGS = {
     ],
     # sm_90a only: 1, 2 and 3 consumer warpgroups, each swizzle width, P from registers and
     # shared memory, with and without intra-warpgroup overlap, ping-pong, a persistent grid,
-    # and the lazy rescale with the overlap and without.
+    # the lazy rescale with the overlap and without, and the P.V wait kept after the softmax.
     "wgmma": [
         wgmma_point(),
         wgmma_point(BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem", INTRA_WG_OVERLAP=False,
@@ -56,8 +56,9 @@ CONFIGS = {
                     PERSISTENT=True),
         wgmma_point(BLOCK_M=64, BLOCK_N=176),
         wgmma_point(BLOCK_N=96, SWIZZLE=32, P_FROM="smem", PINGPONG=True),
-        wgmma_point(PINGPONG=True, PERSISTENT=True, LAZY_RESCALE=True),
+        wgmma_point(PINGPONG=True, PERSISTENT=True, LAZY_RESCALE=True, PIN_PV_WAIT=True),
         wgmma_point(BLOCK_N=64, STAGES=3, INTRA_WG_OVERLAP=False, LAZY_RESCALE=True),
+        wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PIN_PV_WAIT=True),
     ],
 }
 
@@ -156,7 +157,7 @@ def test_row_max_growing_along_the_keys(causal: bool) -> None:
     assert verdict.ok, verdict.reason
 
 
-@pytest.mark.parametrize("idx", [0, 1, 5, 6])
+@pytest.mark.parametrize("idx", [0, 1, 5, 6, 7])
 @pytest.mark.parametrize("causal", [False, True])
 def test_wgmma_row_max_growing_along_the_keys(causal: bool, idx: int) -> None:
     """The online rescale of O (overlapped with P.V, and not; eager and lazy) when every block
@@ -185,7 +186,7 @@ def growing_scores_verdict(kernel: Kernel, causal: bool) -> validate.Verdict:
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("idx", [0, 5, 6])
+@pytest.mark.parametrize("idx", [0, 5, 6, 7])
 @pytest.mark.parametrize("causal", [False, True])
 def test_wgmma_one_key_dominates_a_later_block(causal: bool, idx: int, dtype: str) -> None:
     """A key that outweighs every other comes after the block that set the row max, less than
@@ -296,6 +297,9 @@ CAUSAL_ORDER_CONFIGS = [
     wgmma_point(BLOCK_M=192, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
                 INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True, TILE_ORDER="l2",
                 SCHEDULER="dynamic"),
+    # the dynamic tile index and PIN_PV_WAIT's sink share the slot
+    wgmma_point(BLOCK_M=192, STAGES=3, P_FROM="smem", PINGPONG=True, PERSISTENT=True,
+                TILE_ORDER="l2", SCHEDULER="dynamic", PIN_PV_WAIT=True, LAZY_RESCALE=True),
 ]
 
 

@@ -1,10 +1,12 @@
-"""LAZY_RESCALE offline (NVRTC, sm_90a, no GPU): the winners of the FA4 re-time
-(benchmarks/results/2026-11-24-h100-wgmma-retime-fa4.json), each built eager and lazy:
-registers, spills, and the static opcode counts of the unmasked key loop (the first loop that
-issues HGMMA). With --base (a checkout of the commit before LAZY_RESCALE) the eager builds
-are compared with what that checkout builds, instruction by instruction.
+"""LAZY_RESCALE and PIN_PV_WAIT offline (NVRTC, sm_90a, no GPU): the winners of the FA4
+re-time (benchmarks/results/2026-11-24-h100-wgmma-retime-fa4.json), each built with both
+parameters off and on: registers, spills, the static opcode counts of the unmasked key loop
+(the first loop that issues HGMMA), and where in that loop the wait for the previous block's
+P.V sits (instruction index) against the first and last exponential. With --base (a checkout
+of the commit before both) the builds with both off are compared with what that checkout
+builds, instruction by instruction.
 
-    python experiments/2026-11-25-wgmma-lazy/lazy_sass.py [--base /path/to/checkout]
+    python experiments/2026-11-25-wgmma-softmax/softmax_sass.py [--base /path/to/checkout]
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from evoengine.render import make_candidate  # noqa: E402
 from evoengine.space import SearchSpace  # noqa: E402
 
 RESULTS = ROOT / "benchmarks/results/2026-11-24-h100-wgmma-retime-fa4.json"
-KEYS = ["FMUL", "FFMA", "MUFU", "FMNMX", "FADD", "BRA"]
+KEYS = ["FMUL", "MUFU", "FADD", "BRA"]
+VARIANTS = [(False, False), (True, False), (False, True), (True, True)]  # (lazy, pin)
 
 
 def winners() -> list[tuple[dict, dict]]:
@@ -60,26 +63,33 @@ def main() -> None:
     arch = get_arch("sm_90a")
     space = SearchSpace.load(ROOT / "search_spaces/wgmma.toml")
     pts = winners()
-    cands = [make_candidate(space, {**p, "LAZY_RESCALE": lazy}, pr, arch)
-             for pr, p in pts for lazy in (False, True)]
+    cands = [make_candidate(space, {**p, "LAZY_RESCALE": lazy, "PIN_PV_WAIT": pin}, pr, arch)
+             for pr, p in pts for lazy, pin in VARIANTS]
     results = compile_many(cands, arch)
     old = base_sass(args.base, pts) if args.base else None
-    print(f"{'workload':<24} {'rescale':<7} {'regs':>4} {'spill':>5} {'loop':>5} "
-          + " ".join(f"{k:>5}" for k in KEYS) + ("  same as base" if old else ""))
+    print(f"{'workload':<20} {'rescale':<7} {'pin':<4} {'regs':>4} {'spill':>5} {'loop':>5} "
+          + " ".join(f"{k:>5}" for k in KEYS) + "  P.V wait  exps     "
+          + ("  same as base" if old else ""))
     for i, (c, r) in enumerate(zip(cands, results, strict=True)):
         assert r.ok, (c.identity, r.error)
         code = disassemble(r.cubin)
         loop = tensor_loops(code)
         body = [lp for lp in loop if lp.get("HGMMA")][0]
-        pr = pts[i // 2][0]
+        lo, hi = int(str(body["from"]), 16), int(str(body["to"]), 16)
+        ops = [x[2] for x in code if lo <= x[0] <= hi]
+        wait = [k for k, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR")]
+        exps = [k for k, op in enumerate(ops) if op.startswith("MUFU.EX2")]
+        pr = pts[i // len(VARIANTS)][0]
         name = f"d{pr['HEAD_DIM']} {pr['DTYPE']} {'causal' if pr['CAUSAL'] else 'full'}"
-        lazy = c.params["LAZY_RESCALE"]
+        lazy, pin = c.params["LAZY_RESCALE"], c.params["PIN_PV_WAIT"]
         same = ""
-        if old and not lazy:
-            same = "  yes" if [x[2] + " " + x[3] for x in code] == old[i // 2] else "  NO"
-        print(f"{name:<24} {'lazy' if lazy else 'eager':<7} {r.registers:>4} {r.spill_bytes:>5} "
-              f"{body['total']:>5} " + " ".join(f"{body.get(k, 0):>5}" for k in KEYS)
-              + same)
+        if old and not lazy and not pin:
+            same = ("  yes" if [x[2] + " " + x[3] for x in code] == old[i // len(VARIANTS)]
+                    else "  NO")
+        print(f"{name:<20} {'lazy' if lazy else 'eager':<7} {'yes' if pin else 'no':<4} "
+              f"{r.registers:>4} {r.spill_bytes:>5} {body['total']:>5} "
+              + " ".join(f"{body.get(k, 0):>5}" for k in KEYS)
+              + f"  {wait[-1] if wait else '-':>8}  {exps[0]}..{exps[-1]}" + same)
 
 
 if __name__ == "__main__":
