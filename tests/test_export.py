@@ -404,8 +404,8 @@ RECORD = (Path(__file__).parent / "data"
 
 def test_a_store_from_before_a_parameter_was_added_exports(
         built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A point stored without TILE_ORDER, SCHEDULER and LAZY_RESCALE (the layout of the recorded
-    sweep, and of a store written by replaying it) exports with their legacy values; the same kernel
+    """A point stored without TILE_ORDER and SCHEDULER (the layout of the recorded sweep, and
+    of a store written by replaying it) exports with their legacy values; the same kernel
     stored in today's layout for another workload is one kernel in the module."""
     from evoengine.search.replay import load_record
 
@@ -417,10 +417,8 @@ def test_a_store_from_before_a_parameter_was_added_exports(
     problem = record.workload.problem()
     old_identity = make_identity("wgmma", problem, best.params)  # as the replay stores it
     space = SearchSpace.load(paths.SPACES / "wgmma.toml")
-    legacy = {"TILE_ORDER": "head", "SCHEDULER": "static", "LAZY_RESCALE": False,
-              "PIN_PV_WAIT": False}
-    assert space.legacy == legacy
-    today = make_candidate(space, {**best.params, **legacy}, problem, ARCH)
+    today = make_candidate(space, {**best.params, "TILE_ORDER": "head", "SCHEDULER": "static"},
+                           problem, ARCH)
     other = Workload(2, 16, 4096, 128, causal=True)
     with Store(f"sqlite:///{tmp_path / 'before.db'}") as store:
         store.add_candidate(identity=old_identity, family="wgmma",
@@ -433,7 +431,7 @@ def test_a_store_from_before_a_parameter_was_added_exports(
     assert done.kernels == [today.identity] and len(done.entries) == 2
     module = import_path(done.path, "tuned_attention_before")
     (spec,) = module._KERNEL_SPECS
-    assert spec["params"] == {**best.params, **legacy}
+    assert spec["params"] == {**best.params, "TILE_ORDER": "head", "SCHEDULER": "static"}
     (kernel,) = module.attention.kernels
     assert kernel.source == render(today) and kernel.cubin[:4] == b"\x7fELF"
 

@@ -45,7 +45,7 @@ from evoengine.space import SearchSpace, default_spaces, spread
 SM90 = get_arch("sm_90a")
 BASE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-            SCHEDULER="static", LAZY_RESCALE=False, PIN_PV_WAIT=False)
+            SCHEDULER="static")
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 SPREAD = 16  # compiled points: two per default problem
@@ -105,7 +105,7 @@ def test_space_targets_sm90a_only() -> None:
     assert sp.archs == ("sm_90a",)
     assert list(sp.parameters) == ["BLOCK_M", "BLOCK_N", "STAGES", "SWIZZLE", "P_FROM",
                                    "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER",
-                                   "SCHEDULER", "LAZY_RESCALE", "PIN_PV_WAIT"]
+                                   "SCHEDULER"]
     for arch in ("sm_80", "sm_86", "sm_89"):
         target = get_arch(arch)
         assert sp.violations(BASE, HD64, target) == [f"family wgmma does not target {arch}"]
@@ -177,8 +177,6 @@ CONSTRAINT_CASES = [
     ("THREADS <= MAX_THREADS", {}, HD64, _FEW_THREADS, {}),
     ("SMEM_BYTES <= SMEM_LIMIT", dict(BLOCK_N=192, STAGES=4, P_FROM="smem"), HD128, SM90, {}),
     ("LIVE_REGS + REG_MARGIN <= CONSUMER_REGS", {"BLOCK_M": 192}, HD128, SM90, {}),
-    ("INTRA_WG_OVERLAP or not PIN_PV_WAIT", dict(INTRA_WG_OVERLAP=False, PIN_PV_WAIT=True),
-     HD64, SM90, {}),
     ("CAUSAL or TILE_ORDER == 'head'", {"TILE_ORDER": "l2"}, HD64, SM90, {}),
     ("SCHEDULER == 'static' or PERSISTENT", {"SCHEDULER": "dynamic"}, HD128, SM90, {}),
     ("SCHEDULER == 'static' or CAUSAL", dict(SCHEDULER="dynamic", PERSISTENT=True), HD64, SM90,
@@ -350,39 +348,6 @@ def test_key_loops_keep_wgmma_descriptors_in_uniform_registers(override: dict,
     assert len(loops) >= 2, loops
     for lp in loops[:2]:  # the unmasked and the masked key loop
         assert lp.get("R2UR", 0) == 0, (c.identity, lp)
-
-
-@pytest.mark.parametrize(("override", "problem"), [
-    ({"BLOCK_M": 192, "P_FROM": "smem", "PINGPONG": True}, {**HD128, "CAUSAL": False}),
-    ({"BLOCK_M": 192, "PINGPONG": True, "PERSISTENT": True}, HD64),
-    ({"BLOCK_M": 192, "PINGPONG": True, "PERSISTENT": True, "LAZY_RESCALE": True}, HD64),
-])
-def test_pinned_pv_wait_follows_the_softmax(override: dict, problem: dict) -> None:
-    """In the overlapped key loop the wait for the previous block's P.V belongs after the
-    softmax of this block's S. ptxas hoists it to the softmax's start (nothing ties them), and
-    the exponentials then run after P.V instead of under it; PIN_PV_WAIT's store of the row sums
-    keeps the wait after the last exponential."""
-    if CUOBJDUMP is None:
-        pytest.skip("no cuobjdump")
-    sys.path.insert(0, str(paths.ROOT / "benchmarks"))
-    from sass_report import disassemble, tensor_loops
-
-    def wait_and_exps(pin: bool) -> tuple[int, int, int]:
-        c = make_candidate(space(), {**BASE, **override, "PIN_PV_WAIT": pin}, problem, SM90)
-        r = compile_candidate(c, SM90)
-        check_compiled(c, r)
-        code = disassemble(r.cubin or b"")
-        loop = [lp for lp in tensor_loops(code) if lp.get("HGMMA")][0]
-        lo, hi = int(str(loop["from"]), 16), int(str(loop["to"]), 16)
-        ops = [op for addr, _, op, _ in code if lo <= addr <= hi]
-        waits = [k for k, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR")]
-        exps = [k for k, op in enumerate(ops) if op.startswith("MUFU.EX2")]
-        return waits[-1], exps[0], exps[-1]
-
-    wait, first, _ = wait_and_exps(False)
-    assert wait < first  # what the pin is for: if this fails, ptxas stopped hoisting
-    wait, _, last = wait_and_exps(True)
-    assert wait > last
 
 
 def test_smem_static_assert_ties_space_to_kernel() -> None:

@@ -6,7 +6,13 @@ P.V sits (instruction index) against the first and last exponential. With --base
 of the commit before both) the builds with both off are compared with what that checkout
 builds, instruction by instruction.
 
-    python experiments/2026-11-25-wgmma-softmax/softmax_sass.py [--base /path/to/checkout]
+Both parameters were measured on the H100 and dropped (docs/NOTES.md, "Lazy rescale and the
+P.V wait"), so the script builds from a checkout of 232e83c, the commit that has them:
+
+    git worktree add /tmp/evo-232e83c 232e83c
+    git worktree add /tmp/evo-68037a7 68037a7
+    python experiments/2026-11-25-wgmma-softmax/softmax_sass.py --tree /tmp/evo-232e83c \
+        [--base /tmp/evo-68037a7]
 """
 
 from __future__ import annotations
@@ -18,16 +24,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from sass_report import disassemble, tensor_loops  # noqa: E402
-
-from evoengine.arch import get_arch  # noqa: E402
-from evoengine.compile import compile_many  # noqa: E402
-from evoengine.render import make_candidate  # noqa: E402
-from evoengine.space import SearchSpace  # noqa: E402
-
 RESULTS = ROOT / "benchmarks/results/2026-11-24-h100-wgmma-retime-fa4.json"
 KEYS = ["FMUL", "MUFU", "FADD", "BRA"]
 VARIANTS = [(False, False), (True, False), (False, True), (True, True)]  # (lazy, pin)
@@ -58,10 +54,19 @@ def base_sass(base: Path, points: list) -> list[list[str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", type=Path, help="a checkout of the commit before LAZY_RESCALE")
+    ap.add_argument("--tree", type=Path, required=True, help="a checkout of 232e83c")
+    ap.add_argument("--base", type=Path, help="a checkout of the commit before both (68037a7)")
     args = ap.parse_args()
+    sys.path[:0] = [str(args.tree), str(args.tree / "benchmarks")]
+    from sass_report import disassemble, tensor_loops
+
+    from evoengine.arch import get_arch
+    from evoengine.compile import compile_many
+    from evoengine.render import make_candidate
+    from evoengine.space import SearchSpace
+
     arch = get_arch("sm_90a")
-    space = SearchSpace.load(ROOT / "search_spaces/wgmma.toml")
+    space = SearchSpace.load(args.tree / "search_spaces/wgmma.toml")
     pts = winners()
     cands = [make_candidate(space, {**p, "LAZY_RESCALE": lazy, "PIN_PV_WAIT": pin}, pr, arch)
              for pr, p in pts for lazy, pin in VARIANTS]

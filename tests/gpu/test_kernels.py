@@ -25,7 +25,7 @@ def wgmma_point(**override: object) -> dict[str, object]:
     ping-pong, one block per tile, per-head order, static schedule; with ``override``."""
     return {**dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
                    INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-                   SCHEDULER="static", LAZY_RESCALE=False, PIN_PV_WAIT=False), **override}
+                   SCHEDULER="static"), **override}
 
 
 # Hand-picked points spanning each family's parameters (stages, swizzle, Q placement,
@@ -47,7 +47,7 @@ CONFIGS = {
     ],
     # sm_90a only: 1, 2 and 3 consumer warpgroups, each swizzle width, P from registers and
     # shared memory, with and without intra-warpgroup overlap, ping-pong, a persistent grid,
-    # the lazy rescale with the overlap and without, and the P.V wait kept after the softmax.
+    # and the tile of the d128 winners (3 consumers, P through shared memory).
     "wgmma": [
         wgmma_point(),
         wgmma_point(BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem", INTRA_WG_OVERLAP=False,
@@ -56,9 +56,7 @@ CONFIGS = {
                     PERSISTENT=True),
         wgmma_point(BLOCK_M=64, BLOCK_N=176),
         wgmma_point(BLOCK_N=96, SWIZZLE=32, P_FROM="smem", PINGPONG=True),
-        wgmma_point(PINGPONG=True, PERSISTENT=True, LAZY_RESCALE=True, PIN_PV_WAIT=True),
-        wgmma_point(BLOCK_N=64, STAGES=3, INTRA_WG_OVERLAP=False, LAZY_RESCALE=True),
-        wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PIN_PV_WAIT=True),
+        wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True),
     ],
 }
 
@@ -157,11 +155,10 @@ def test_row_max_growing_along_the_keys(causal: bool) -> None:
     assert verdict.ok, verdict.reason
 
 
-@pytest.mark.parametrize("idx", [0, 1, 5, 6, 7])
+@pytest.mark.parametrize("idx", [0, 1])
 @pytest.mark.parametrize("causal", [False, True])
 def test_wgmma_row_max_growing_along_the_keys(causal: bool, idx: int) -> None:
-    """The online rescale of O (overlapped with P.V, and not; eager and lazy) when every block
-    raises the max."""
+    """The online rescale of O (overlapped with P.V, and not) when every block raises the max."""
     need_family("wgmma")
     problem = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=causal)
     (kernel,) = build([make_candidate(space("wgmma"), CONFIGS["wgmma"][idx], problem,
@@ -186,13 +183,14 @@ def growing_scores_verdict(kernel: Kernel, causal: bool) -> validate.Verdict:
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("idx", [0, 5, 6, 7])
+@pytest.mark.parametrize("idx", [0, 5])
 @pytest.mark.parametrize("causal", [False, True])
 def test_wgmma_one_key_dominates_a_later_block(causal: bool, idx: int, dtype: str) -> None:
-    """A key that outweighs every other comes after the block that set the row max, less than
-    2^RESCALE_LOG2 above it: a lazy rescale keeps the stale max, so that key's P is ~3.7,
-    rounded for P.V while the row sum adds it unrounded (eager: exactly 1). Attention sinks
-    and retrieval heads make such rows common; the criterion must still hold."""
+    """A key that outweighs every other comes after the block that set the row max, 1.8 (log2)
+    above it: O shrinks by 2^-1.8 when that block lands, and the rows' sums and P must agree
+    on the dominant term (a lazy rescale, which keeps a max that moved less than 2^2, would
+    round a P of ~3.7 for P.V and sum it unrounded: docs/NOTES.md). Attention sinks and
+    retrieval heads make such rows common; the criterion must still hold."""
     need_family("wgmma")
     problem = dict(HEAD_DIM=64, DTYPE=dtype, CAUSAL=causal)
     (kernel,) = build([make_candidate(space("wgmma"), CONFIGS["wgmma"][idx], problem,
@@ -297,9 +295,6 @@ CAUSAL_ORDER_CONFIGS = [
     wgmma_point(BLOCK_M=192, BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem",
                 INTRA_WG_OVERLAP=False, PINGPONG=True, PERSISTENT=True, TILE_ORDER="l2",
                 SCHEDULER="dynamic"),
-    # the dynamic tile index and PIN_PV_WAIT's sink share the slot
-    wgmma_point(BLOCK_M=192, STAGES=3, P_FROM="smem", PINGPONG=True, PERSISTENT=True,
-                TILE_ORDER="l2", SCHEDULER="dynamic", PIN_PV_WAIT=True, LAZY_RESCALE=True),
 ]
 
 
