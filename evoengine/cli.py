@@ -289,6 +289,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     config = SearchConfig(workload=workload, spaces=spaces, arch=arch, store=store,
                           study=args.study, strategy=args.sampler, trials=trials,
                           timeout_s=args.timeout, seed=args.seed, compile_workers=args.workers,
+                          priors=args.priors and not args.replay,
                           eval_timeout_s=args.eval_timeout, device=args.device or 0,
                           gpus=args.gpus, heartbeat_s=args.heartbeat,
                           grace_s=3 * args.heartbeat, refresh_s=min(10.0, args.heartbeat))
@@ -360,7 +361,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return 0
     _cuda_or_fail("tune")
     print(plan.describe(), file=sys.stderr)
-    options = dict(seed=args.seed, compile_workers=args.workers,
+    options = dict(seed=args.seed, compile_workers=args.workers, priors=args.priors,
                    eval_timeout_s=args.eval_timeout, device=args.device or 0, gpus=args.gpus)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -496,6 +497,9 @@ def _store_option(parser: argparse.ArgumentParser, default: str, reads: bool) ->
 def _evaluation_options(parser: argparse.ArgumentParser) -> None:
     """How a search evaluates (search and tune alike): seed, compilers, hang timeout, GPUs."""
     parser.add_argument("--seed", type=non_negative_int, default=None)
+    parser.add_argument("--no-priors", dest="priors", action="store_false",
+                        help="start from the store's elites only, not also from the points "
+                        "measured fastest on the target (search_spaces/priors/)")
     parser.add_argument("--workers", type=positive_int, default=None,
                         help="compiler processes (default: cores - 1)")
     parser.add_argument("--eval-timeout", type=positive_duration, default=30.0,

@@ -30,6 +30,7 @@ evaluators it created.
 from __future__ import annotations
 
 import collections
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -53,6 +54,7 @@ from evoengine.search.coordination import Coordination
 from evoengine.search.domain import Domain, Point
 from evoengine.search.evaluator import DeviceInfo, Evaluation, Evaluator
 from evoengine.search.evidence import ANCHOR_KEYS, Evidence, results_document
+from evoengine.search.priors import seeds as prior_seeds
 from evoengine.search.progress import Progress, Tally
 from evoengine.search.samplers import NOT_EVALUATED, make_sampler
 from evoengine.search.study import SearchStudy, open_storage, quiet_optuna
@@ -97,6 +99,7 @@ class SearchConfig:
     heartbeat_s: int = 60
     grace_s: int = 180
     refresh_s: float = 10.0  # how often other workers' claims are read back for the sampler
+    priors: bool = False  # seed with the target's shipped priors too (the CLI's default)
 
     def devices(self) -> list[int]:
         return list(self.gpus) if self.gpus else [self.device]
@@ -202,7 +205,8 @@ def _search(config: SearchConfig, evaluator: Evaluator | Sequence[Evaluator] | N
         storage = open_storage(store.url, heartbeat_s=config.heartbeat_s, grace_s=config.grace_s)
         taken: set[str] = set()  # measured or claimed by any worker: not to be proposed
         sampler = make_sampler(config.strategy, domain, seed=config.seed,
-                               blocked=lambda: taken, seeds=_seeds(store, domain, key))
+                               blocked=lambda: taken,
+                               seeds=_seeds(store, domain, key, config.priors))
         study = SearchStudy.open(storage, study_name, sampler, domain)
         other = study.tie(arch.name, key)
         if other is not None:  # a study belongs to one (arch, workload)
@@ -552,11 +556,13 @@ def _final(config: SearchConfig, domain: Domain, evidence: Evidence, evaluator: 
     return rows
 
 
-def _seeds(store: Store, domain: Domain, key: str) -> list[Point]:
+def _seeds(store: Store, domain: Domain, key: str, priors: bool = False) -> list[Point]:
     """Elites (ranks 1 and 2) of other workloads on this target whose points this domain
     admits, nearest workload first (``workload_distance``): good kernels for a neighbouring
     shape are likely good here, so they are tried first, and the sampler takes them in this
-    order. ``evoengine tune`` relies on it: its ladder's previous rung seeds the next."""
+    order. ``evoengine tune`` relies on it: its ladder's previous rung seeds the next. With
+    ``priors``, the target's shipped priors (``search.priors``) join them: after the store's
+    elites of a problem as near, before those of a farther one."""
     found: list[tuple[tuple[float, ...], int, Point]] = []
     for elite in store.elites(arch=domain.arch.name):
         if elite.workload_key == key or elite.rank > 2:
@@ -566,6 +572,8 @@ def _seeds(store: Store, domain: Domain, key: str) -> list[Point]:
         if point is not None:
             found.append((workload_distance(domain.workload, elite.workload_key),
                           elite.rank, point))
+    if priors:
+        found += [((float(d), math.inf), 0, point) for d, point in prior_seeds(domain)]
     found.sort(key=lambda f: (f[0], f[1]))  # stable: the store's order breaks ties
     seeds: list[Point] = []
     for _, _, point in found:
@@ -578,8 +586,6 @@ def workload_distance(here: Workload, key: str) -> tuple[float, ...]:
     """How far the workload ``key`` names is from ``here``, to order seeds: first whether
     its problem (head dim, dtype, causal) differs in 0 to 3 ways, then the log distance of
     its lengths, then of its batch x heads. A key no problem reads is farthest."""
-    import math
-
     from evoengine.problems import workload_from_key
 
     try:

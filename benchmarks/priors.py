@@ -1,0 +1,134 @@
+"""Write a target's priors (``search_spaces/priors/<arch>.json``, read by
+``evoengine/search/priors.py``): the points its results files measured fastest, per workload,
+so a search starts from them.
+
+    python benchmarks/priors.py            # rewrite search_spaces/priors/sm_90a.json
+    python benchmarks/priors.py --check    # exit 1 if the file is not what the sources give
+
+The sources are named below, one reader per results layout; each point keeps the file it
+came from. Per workload row, the ``KEEP`` fastest points the row's re-time measured (the
+forward's and ragged prefill's ``retimed``, the backward's ``bwd_points``, decode's
+``points_us``), fastest first; a point measured on several rows is kept once, at its first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from evoengine import paths  # noqa: E402
+from evoengine.arch import Arch, get_arch  # noqa: E402
+from evoengine.render import make_identity  # noqa: E402
+from evoengine.space import SearchSpace  # noqa: E402
+
+KEEP = 2
+RESULTS = paths.ROOT / "benchmarks" / "results"
+# (arch, reader, results file): the H100 re-times that hold each kind's best known points.
+SOURCES = [
+    ("sm_90a", "retimed", "2026-11-24-h100-wgmma-retime-fa4.json"),
+    ("sm_90a", "retimed", "2026-11-25-h100-varlen-all-points.json"),
+    ("sm_90a", "bwd_points", "2026-11-25-h100-train-step-fa4.json"),
+    ("sm_90a", "points_us", "2026-11-25-h100-decode-fused.json"),
+    ("sm_90a", "points_us", "2026-11-25-h100-decode-q4-h64-bm32.json"),
+]
+
+Prior = dict[str, Any]
+
+
+def _problem(row: dict[str, Any], kind: str) -> dict[str, Any]:
+    head_dim = row["shape"][3] if "shape" in row else row["head_dim"]
+    if kind == "decode":
+        return {"HEAD_DIM": head_dim, "DTYPE": row["dtype"], "PAGED": row["layout"] == "paged"}
+    problem = {"HEAD_DIM": head_dim, "DTYPE": row["dtype"], "CAUSAL": bool(row["causal"])}
+    return {**problem, "VARLEN": True} if kind == "varlen" else problem
+
+
+def retimed(row: dict[str, Any], arch: Arch) -> Iterator[Prior]:
+    """A forward or ragged-prefill re-time row: its re-timed points, fastest first."""
+    kind = row.get("kind", "fwd")
+    for t in sorted(row["retimed"], key=lambda t: t["median_us"])[:KEEP]:
+        yield {"kind": kind, "family": row["family"], "problem": _problem(row, kind),
+               "params": t["params"]}
+
+
+def bwd_points(row: dict[str, Any], arch: Arch) -> Iterator[Prior]:
+    """A training-step row: the backward points it timed, fastest first (its step rows, which
+    time the chosen pair as a whole, carry none)."""
+    if row.get("kind") != "bwd" or "bwd_points" not in row:
+        return
+    for t in sorted(row["bwd_points"], key=lambda t: t["median_us"])[:KEEP]:
+        yield {"kind": "bwd", "family": t["family"], "problem": _problem(row, "bwd"),
+               "params": t["params"]}
+
+
+def points_us(row: dict[str, Any], arch: Arch) -> Iterator[Prior]:
+    """A decode row: its points by identity, fastest first, their parameters found among the
+    decode space's admitted points (an identity today's space no longer builds is skipped)."""
+    problem = _problem(row, "decode")
+    by_name = _decode_points(arch, tuple(problem.items()))
+    timed = sorted(row["points_us"].items(), key=lambda kv: kv[1])
+    for identity, _ in timed[:KEEP]:
+        params = by_name.get(identity.rsplit("-", 1)[0])
+        if params is not None:
+            yield {"kind": "decode", "family": "decode", "problem": problem, "params": params}
+
+
+@cache
+def _decode_points(arch: Arch, problem: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """The decode space's admitted points for ``problem``, by identity less its template hash."""
+    space = SearchSpace.load(paths.SPACES / "decode.toml")
+    return {make_identity("decode", dict(problem), p).rsplit("-", 1)[0]: p
+            for p in space.admitted(dict(problem), arch)}
+
+
+READERS = {"retimed": retimed, "bwd_points": bwd_points, "points_us": points_us}
+
+
+def build(arch: str) -> dict[str, Any]:
+    points: list[Prior] = []
+    seen: set[str] = set()
+    for target, reader, name in SOURCES:
+        if target != arch:
+            continue
+        for row in json.loads((RESULTS / name).read_text())["rows"]:
+            for prior in READERS[reader](row, get_arch(arch)):
+                key = json.dumps([prior["kind"], prior["family"], prior["problem"],
+                                  prior["params"]], sort_keys=True)
+                if key not in seen:
+                    seen.add(key)
+                    points.append({**prior, "source": f"benchmarks/results/{name}"})
+    return {"arch": arch,
+            "note": "written by benchmarks/priors.py; the points its sources measured fastest "
+                    "per workload, which a search tries first (evoengine/search/priors.py)",
+            "points": points}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="compare, do not write")
+    args = ap.parse_args()
+    stale = []
+    for arch in sorted({a for a, _, _ in SOURCES}):
+        doc = build(arch)
+        text = json.dumps(doc, indent=1) + "\n"
+        out = paths.SPACES / "priors" / f"{arch}.json"
+        if args.check:
+            if not out.is_file() or out.read_text() != text:
+                stale.append(str(out))
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+            print(f"wrote {out} ({len(doc['points'])} points)")
+    if stale:
+        raise SystemExit(f"stale: {', '.join(stale)} (run python benchmarks/priors.py)")
+
+
+if __name__ == "__main__":
+    main()

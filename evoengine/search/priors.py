@@ -1,0 +1,83 @@
+"""Where a search starts when its store knows nothing near: the points measured fastest on a
+target, shipped beside the spaces (``search_spaces/priors/<arch>.json``, written by
+``benchmarks/priors.py`` from results files, each point naming the file it came from).
+
+A store's own elites say what ran fast on this machine for a neighbouring workload; the priors
+say what ran fast on the target's reference GPU for the named workloads. The search tries both
+first (``loop._seeds``): the store's elites of the same problem, then the priors of the same
+problem, then the rest, nearest first. A seed costs one evaluation, and a short search (a
+tune's rung, ``--timeout 2m`` on a slow workload: 100 evaluations) then starts from the known
+winners instead of hoping to meet them. ``--no-priors`` (``SearchConfig.priors``) turns them
+off, to see what the search finds from nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from evoengine import paths
+from evoengine.search.domain import Domain, Point
+
+PRIORS = paths.SPACES / "priors"
+
+
+@dataclass(frozen=True)
+class Prior:
+    kind: str  # the problem kind it was measured for (fwd, bwd, varlen, decode)
+    family: str
+    problem: Mapping[str, Any]
+    params: Mapping[str, Any]
+    source: str  # the results file that measured it
+
+
+def path(arch: str) -> Any:
+    return PRIORS / f"{arch}.json"
+
+
+@cache
+def load(arch: str) -> tuple[Prior, ...]:
+    """The priors of target ``arch`` (none where no file names it); ``ValueError`` naming the
+    file and the entry where one is malformed."""
+    file = path(arch)
+    if not file.is_file():
+        return ()
+    doc = json.loads(file.read_text())
+    out = []
+    for i, p in enumerate(doc.get("points", [])):
+        try:
+            out.append(Prior(str(p["kind"]), str(p["family"]), dict(p["problem"]),
+                             dict(p["params"]), str(p["source"])))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{file}: points[{i}] lacks {e}") from None
+    return tuple(out)
+
+
+def differ(a: Mapping[str, Any], b: Mapping[str, Any]) -> int:
+    """In how many problem dimensions (head dim, dtype, causal, ...) ``a`` and ``b`` differ."""
+    return sum(a.get(k) != b.get(k) for k in a.keys() | b.keys())
+
+
+def seeds(domain: Domain) -> list[tuple[int, Point]]:
+    """The priors of the domain's target and problem kind that it admits, each with how many
+    problem dimensions separate it from the domain's (the fewest, for a point measured on
+    several problems), in the file's order (fastest first per workload), no point twice."""
+    kind = domain.workload.kind
+    out: dict[str, tuple[int, Point]] = {}
+    for prior in load(domain.arch.name):
+        if prior.kind != kind or prior.family not in domain.spaces:
+            continue
+        try:
+            identity = domain.identity(prior.family, prior.params)
+        except KeyError:  # a parameter the space no longer has, with no legacy value
+            continue
+        point = domain.point(identity)
+        if point is None:
+            continue
+        d = differ(prior.problem, domain.problem)
+        if identity not in out or d < out[identity][0]:
+            out[identity] = (d, point)
+    return list(out.values())

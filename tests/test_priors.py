@@ -1,0 +1,123 @@
+"""The target's shipped priors (search_spaces/priors/, evoengine/search/priors.py): what they
+hold, that they build, and where they come in a search's seeds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from evoengine import paths
+from evoengine.arch import get_arch
+from evoengine.cli import build_parser
+from evoengine.render import make_candidate, render
+from evoengine.search import priors
+from evoengine.search.domain import Domain
+from evoengine.search.loop import _seeds
+from evoengine.space import SearchSpace
+from evoengine.store import Store
+from evoengine.workload import Workload
+
+SM90 = get_arch("sm_90a")
+
+
+def generator():  # benchmarks/priors.py, which writes the shipped file
+    spec = importlib.util.spec_from_file_location("priors_gen", paths.ROOT / "benchmarks/priors.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_shipped_priors_are_what_their_sources_give() -> None:
+    """A fact written once: the file is rebuilt from the results files it names."""
+    shipped = json.loads(priors.path("sm_90a").read_text())
+    assert shipped == generator().build("sm_90a")
+    kinds = {p["kind"] for p in shipped["points"]}
+    assert kinds == {"fwd", "bwd", "varlen", "decode"}
+    for p in shipped["points"]:
+        assert (paths.ROOT / p["source"]).is_file(), p["source"]
+
+
+def test_every_shipped_prior_builds_for_its_own_problem() -> None:
+    for p in priors.load("sm_90a"):
+        space = SearchSpace.load(paths.SPACES / f"{p.family}.toml")
+        params = space.complete(p.params)
+        assert space.violations(params, dict(p.problem), SM90) == [], p
+
+
+@pytest.fixture
+def planted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty priors folder in place of the shipped one."""
+    folder = tmp_path / "priors"
+    folder.mkdir()
+    monkeypatch.setattr(priors, "PRIORS", folder)
+    priors.load.cache_clear()
+    yield folder
+    priors.load.cache_clear()
+
+
+def mma() -> SearchSpace:
+    return SearchSpace.load(paths.SPACES / "mma.toml")
+
+
+def test_priors_come_after_the_stores_elites_of_as_near_a_problem(planted: Path,
+                                                                   tmp_path: Path) -> None:
+    """Seeds: the store's elites of the same problem (measured on this machine), then the
+    priors of the same problem, then elites of a farther problem, then farther priors; none
+    of the priors without ``priors``."""
+    here = Workload(8, 8, 2048, 64, causal=True)
+    other = Workload(8, 8, 2048, 64, causal=False)
+    space = mma()
+    points = space.admitted(here.problem(), SM90)
+    elite_near, elite_far, prior_near, prior_far = points[0], points[1], points[2], points[3]
+    (planted / "sm_90a.json").write_text(json.dumps({"points": [
+        {"kind": "fwd", "family": "mma", "problem": other.problem(), "params": prior_far,
+         "source": "x.json"},
+        {"kind": "fwd", "family": "mma", "problem": here.problem(), "params": prior_near,
+         "source": "x.json"},
+        {"kind": "bwd", "family": "mma", "problem": here.problem(), "params": points[4],
+         "source": "another kind's: not a seed"},
+    ]}))
+    with Store(f"sqlite:///{tmp_path / 'seeds.db'}") as store:
+        for w, params in ((Workload(2, 8, 4096, 64, causal=True), elite_near),
+                          (other, elite_far)):
+            cand = make_candidate(space, params, w.problem(), SM90)
+            store.add_candidate(identity=cand.identity, family=cand.family,
+                                template_hash=cand.template_hash, params=cand.params,
+                                problem=cand.problem, source=render(cand))
+            run = store.start_run(arch="sm_90a", workload=w.to_dict(), workload_key=w.key(),
+                                  device="fake", commit=None, study=w.key())
+            store.set_elites(arch="sm_90a", workload_key=w.key(),
+                             entries=[(cand.identity, 1.0)], run_id=run)
+        domain = Domain([space], here, SM90)
+        with_priors = [p for _, p in _seeds(store, domain, here.key(), priors=True)]
+        without = [p for _, p in _seeds(store, domain, here.key())]
+    assert with_priors == [elite_near, prior_near, elite_far, prior_far]
+    assert without == [elite_near, elite_far]
+
+
+def test_a_prior_the_domain_does_not_admit_is_no_seed(planted: Path) -> None:
+    here = Workload(8, 8, 2048, 64, causal=True)
+    (planted / "sm_90a.json").write_text(json.dumps({"points": [
+        {"kind": "fwd", "family": "mma", "problem": here.problem(),
+         "params": {"BLOCK_M": 4096}, "source": "x.json"},
+        {"kind": "fwd", "family": "no-such-family", "problem": here.problem(), "params": {},
+         "source": "x.json"}]}))
+    assert priors.seeds(Domain([mma()], here, SM90)) == []
+    assert priors.load("sm_89") == ()  # no file: no priors
+
+
+def test_a_malformed_priors_file_names_itself(planted: Path) -> None:
+    (planted / "sm_90a.json").write_text(json.dumps({"points": [{"kind": "fwd"}]}))
+    with pytest.raises(ValueError, match=r"sm_90a\.json: points\[0\] lacks 'family'"):
+        priors.load("sm_90a")
+
+
+def test_search_and_tune_take_no_priors() -> None:
+    parser = build_parser()
+    for command in (["search", "--shape", "1,2,64,64"], ["tune", "--q-heads", "8"]):
+        assert parser.parse_args(command).priors is True
+        assert parser.parse_args([*command, "--no-priors"]).priors is False
