@@ -12,13 +12,13 @@ import pytest
 from evoengine import paths
 from evoengine.arch import get_arch
 from evoengine.cli import build_parser
-from evoengine.render import make_candidate, render
 from evoengine.search import priors
 from evoengine.search.domain import Domain
 from evoengine.search.loop import _seeds
 from evoengine.space import SearchSpace
 from evoengine.store import Store
 from evoengine.workload import Workload
+from tests.test_search import plant_elite
 
 SM90 = get_arch("sm_90a")
 
@@ -82,16 +82,8 @@ def test_priors_come_after_the_stores_elites_of_as_near_a_problem(planted: Path,
          "source": "another kind's: not a seed"},
     ]}))
     with Store(f"sqlite:///{tmp_path / 'seeds.db'}") as store:
-        for w, params in ((Workload(2, 8, 4096, 64, causal=True), elite_near),
-                          (other, elite_far)):
-            cand = make_candidate(space, params, w.problem(), SM90)
-            store.add_candidate(identity=cand.identity, family=cand.family,
-                                template_hash=cand.template_hash, params=cand.params,
-                                problem=cand.problem, source=render(cand))
-            run = store.start_run(arch="sm_90a", workload=w.to_dict(), workload_key=w.key(),
-                                  device="fake", commit=None, study=w.key())
-            store.set_elites(arch="sm_90a", workload_key=w.key(),
-                             entries=[(cand.identity, 1.0)], run_id=run)
+        plant_elite(store, space, elite_near, Workload(2, 8, 4096, 64, causal=True))
+        plant_elite(store, space, elite_far, other)
         domain = Domain([space], here, SM90)
         with_priors = [p for _, p in _seeds(store, domain, here.key(), priors=True)]
         without = [p for _, p in _seeds(store, domain, here.key())]
@@ -116,7 +108,7 @@ def test_a_malformed_priors_file_names_itself(planted: Path) -> None:
         priors.load("sm_90a")
 
 
-def test_search_and_tune_take_no_priors() -> None:
+def test_search_and_tune_take_a_no_priors_flag() -> None:
     parser = build_parser()
     for command in (["search", "--shape", "1,2,64,64"], ["tune", "--q-heads", "8"]):
         assert parser.parse_args(command).priors is True
