@@ -78,8 +78,10 @@ def test_priors_come_after_the_stores_elites_of_as_near_a_problem(planted: Path,
          "source": "x.json"},
         {"kind": "fwd", "family": "mma", "problem": here.problem(), "params": prior_near,
          "source": "x.json"},
-        {"kind": "bwd", "family": "mma", "problem": here.problem(), "params": points[4],
-         "source": "another kind's: not a seed"},
+        {"kind": "varlen", "family": "mma", "problem": {**here.problem(), "VARLEN": True},
+         "params": points[4], "source": "another kind's, as far as two dimensions"},
+        {"kind": "bwd", "family": "mma_bwd", "problem": here.problem(), "params": {},
+         "source": "a family this search does not run: not a seed"},
     ]}))
     with Store(f"sqlite:///{tmp_path / 'seeds.db'}") as store:
         plant_elite(store, space, elite_near, Workload(2, 8, 4096, 64, causal=True))
@@ -87,7 +89,7 @@ def test_priors_come_after_the_stores_elites_of_as_near_a_problem(planted: Path,
         domain = Domain([space], here, SM90)
         with_priors = [p for _, p in _seeds(store, domain, here.key(), priors=True)]
         without = [p for _, p in _seeds(store, domain, here.key())]
-    assert with_priors == [elite_near, prior_near, elite_far, prior_far]
+    assert with_priors == [elite_near, prior_near, elite_far, prior_far, points[4]]
     assert without == [elite_near, elite_far]
 
 

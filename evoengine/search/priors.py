@@ -62,13 +62,15 @@ def differ(a: Mapping[str, Any], b: Mapping[str, Any]) -> int:
 
 
 def seeds(domain: Domain) -> list[tuple[int, Point]]:
-    """The priors of the domain's target and problem kind that it admits, each with how many
-    problem dimensions separate it from the domain's (the fewest, for a point measured on
-    several problems), in the file's order (fastest first per workload), no point twice."""
+    """The priors of the domain's target whose family it searches and whose point it admits,
+    each with how many problem dimensions separate it from the domain's, the problem kind
+    counted as one (a forward's point seeds a ragged prefill's search of the same family after
+    that kind's own), the fewest for a point measured on several problems; in the file's order
+    (fastest first per workload), no point twice."""
     kind = domain.workload.kind
     out: dict[str, tuple[int, Point]] = {}
     for prior in load(domain.arch.name):
-        if prior.kind != kind or prior.family not in domain.spaces:
+        if prior.family not in domain.spaces:
             continue
         try:
             identity = domain.identity(prior.family, prior.params)
@@ -77,7 +79,7 @@ def seeds(domain: Domain) -> list[tuple[int, Point]]:
         point = domain.point(identity)
         if point is None:
             continue
-        d = differ(prior.problem, domain.problem)
+        d = differ(prior.problem, domain.problem) + (prior.kind != kind)
         if identity not in out or d < out[identity][0]:
             out[identity] = (d, point)
     return list(out.values())
