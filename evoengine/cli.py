@@ -314,6 +314,8 @@ def cmd_search(args: argparse.Namespace) -> int:
           f"{t.evaluated} evaluated, {t.valid} valid, {t.compile_failed} compile errors, "
           f"{t.faults} faults; {t.cold_compiles} compiled, {t.cached_compiles} from cache"
           + (f"; {rate:.0f} evals/min" if rate else "")
+          + (f"; started from {t.seeds} seeds ({t.seeds_from_priors} from the priors)"
+             if t.seeds else "")
           + (f" ({per_gpu})" if len(t.per_gpu) > 1 else ""), file=sys.stderr)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -115,3 +115,31 @@ def test_search_and_tune_take_a_no_priors_flag() -> None:
     for command in (["search", "--shape", "1,2,64,64"], ["tune", "--q-heads", "8"]):
         assert parser.parse_args(command).priors is True
         assert parser.parse_args([*command, "--no-priors"]).priors is False
+
+
+def test_a_search_tries_the_priors_first_and_says_how_many(planted: Path,
+                                                           tmp_path: Path) -> None:
+    """With ``priors``, a search with an empty store proposes the target's priors first (6
+    trials of hundreds of points reach both) and counts them in its tally and results
+    document; without, it does not start from them."""
+    from tests.test_search import FakeEvaluator, config, run
+
+    here = config(tmp_path).workload
+    points = mma().admitted(here.problem(), SM90)
+    chosen = [points[7], points[3]]
+    (planted / "sm_90a.json").write_text(json.dumps({"points": [
+        {"kind": "fwd", "family": "mma", "problem": here.problem(), "params": p,
+         "source": "x.json"} for p in chosen]}))
+    domain = Domain([mma()], here, SM90)
+    first = [domain.identity("mma", p) for p in chosen]
+
+    seeded = FakeEvaluator()
+    result = run(config(tmp_path, trials=6, priors=True), seeded)
+    # proposed first; compiled ahead in parallel, so evaluated among the first few, not in order
+    assert set(first) <= set(seeded.evaluated)
+    assert (result.tally.seeds, result.tally.seeds_from_priors) == (2, 2)
+    assert result.evidence()["search"]["seeds_from_priors"] == 2
+
+    blind = FakeEvaluator()
+    result = run(config(tmp_path / "blind", trials=6), blind)
+    assert result.tally.seeds == 0 and not set(first) <= set(blind.evaluated)

@@ -195,7 +195,8 @@ def tally_dict(t: Tally) -> dict[str, Any]:
         "cold_compiles": t.cold_compiles, "evals_per_minute": t.evals_per_minute(),
         "gpu_waited_on_compiler_s": round(t.gpu_idle_s, 2),
         "claimed_elsewhere": t.claimed_elsewhere, "claims_released": t.released,
-        "claims_lost": t.claims_lost, "gpus": _per_gpu(t),
+        "claims_lost": t.claims_lost, "seeds": t.seeds,
+        "seeds_from_priors": t.seeds_from_priors, "gpus": _per_gpu(t),
         "wall_s": round(time.monotonic() - t.started, 2),
         "sdpa_flash_us": t.baseline.get("flash"), "sdpa_cudnn_us": t.baseline.get("cudnn"),
     }

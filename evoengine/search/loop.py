@@ -204,16 +204,18 @@ def _search(config: SearchConfig, evaluator: Evaluator | Sequence[Evaluator] | N
         key = w.key()
         storage = open_storage(store.url, heartbeat_s=config.heartbeat_s, grace_s=config.grace_s)
         taken: set[str] = set()  # measured or claimed by any worker: not to be proposed
+        seeds = _seeds(store, domain, key, config.priors)
         sampler = make_sampler(config.strategy, domain, seed=config.seed,
-                               blocked=lambda: taken,
-                               seeds=_seeds(store, domain, key, config.priors))
+                               blocked=lambda: taken, seeds=seeds)
         study = SearchStudy.open(storage, study_name, sampler, domain)
         other = study.tie(arch.name, key)
         if other is not None:  # a study belongs to one (arch, workload)
             raise SearchError(f"study {study_name!r} searches {other[1]} on {other[0]}, not "
                               f"{key} on {arch.name}; pick another --study")
         evidence = Evidence.start(store, domain, info, study_name, elites=config.elites)
-        tally = Tally(planned=config.trials)
+        tally = Tally(planned=config.trials, seeds=len(seeds))
+        if config.priors:  # how many of them only the priors gave
+            tally.seeds_from_priors = len(seeds) - len(_seeds(store, domain, key))
         tally.per_gpu = {d: 0 for d in devices}
         if config.timeout_s is not None:
             tally.deadline = time.monotonic() + config.timeout_s

@@ -36,6 +36,8 @@ class Tally:
     claimed_elsewhere: int = 0  # proposals another worker had claimed first
     released: int = 0  # claims of dead workers' trials given back
     claims_lost: int = 0  # measurements dropped: the trial was failed as stale meanwhile
+    seeds: int = 0  # points the sampler tried first: other workloads' elites and the priors
+    seeds_from_priors: int = 0  # of those, the ones only the target's priors gave
 
     @property
     def finished(self) -> int:
