@@ -25,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evoengine import paths  # noqa: E402
 from evoengine.arch import Arch, get_arch  # noqa: E402
+from evoengine.problems.backward import BackwardWorkload  # noqa: E402
 from evoengine.render import make_identity  # noqa: E402
 from evoengine.space import SearchSpace  # noqa: E402
+from evoengine.workload import Workload  # noqa: E402
 
 KEEP = 2
 RESULTS = paths.ROOT / "benchmarks" / "results"
@@ -50,12 +52,22 @@ def _problem(row: dict[str, Any], kind: str) -> dict[str, Any]:
     return {**problem, "VARLEN": True} if kind == "varlen" else problem
 
 
+def _workload(row: dict[str, Any], kind: str) -> str:
+    """The key of the workload a row measured (its own where it names one)."""
+    if "workload" in row:
+        return str(row["workload"])
+    b, h, s, d = row["shape"]
+    w = Workload(b, h, s, d, kv_heads=row.get("kv_heads"), seq_k=row.get("seq_k"),
+                 causal=bool(row["causal"]), dtype=row["dtype"])
+    return (BackwardWorkload.of(w) if kind == "bwd" else w).key()
+
+
 def retimed(row: dict[str, Any], arch: Arch) -> Iterator[Prior]:
     """A forward or ragged-prefill re-time row: its re-timed points, fastest first."""
     kind = row.get("kind", "fwd")
     for t in sorted(row["retimed"], key=lambda t: t["median_us"])[:KEEP]:
         yield {"kind": kind, "family": row["family"], "problem": _problem(row, kind),
-               "params": t["params"]}
+               "workload": _workload(row, kind), "params": t["params"]}
 
 
 def bwd_points(row: dict[str, Any], arch: Arch) -> Iterator[Prior]:
@@ -65,7 +77,7 @@ def bwd_points(row: dict[str, Any], arch: Arch) -> Iterator[Prior]:
         return
     for t in sorted(row["bwd_points"], key=lambda t: t["median_us"])[:KEEP]:
         yield {"kind": "bwd", "family": t["family"], "problem": _problem(row, "bwd"),
-               "params": t["params"]}
+               "workload": _workload(row, "bwd"), "params": t["params"]}
 
 
 def points_us(row: dict[str, Any], arch: Arch) -> Iterator[Prior]:
@@ -77,7 +89,8 @@ def points_us(row: dict[str, Any], arch: Arch) -> Iterator[Prior]:
     for identity, _ in timed[:KEEP]:
         params = by_name.get(identity.rsplit("-", 1)[0])
         if params is not None:
-            yield {"kind": "decode", "family": "decode", "problem": problem, "params": params}
+            yield {"kind": "decode", "family": "decode", "problem": problem,
+                   "workload": row["workload"], "params": params}
 
 
 @cache
@@ -99,7 +112,7 @@ def build(arch: str) -> dict[str, Any]:
             continue
         for row in json.loads((RESULTS / name).read_text())["rows"]:
             for prior in READERS[reader](row, get_arch(arch)):
-                key = json.dumps([prior["kind"], prior["family"], prior["problem"],
+                key = json.dumps([prior["kind"], prior["family"], prior["workload"],
                                   prior["params"]], sort_keys=True)
                 if key not in seen:
                     seen.add(key)

@@ -30,3 +30,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             reason = gpu_reason()
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def planted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty folder of search priors in place of the shipped one (evoengine/search/priors.py),
+    for a test to write a target's file into."""
+    from evoengine.search import priors
+
+    folder = tmp_path / "priors"
+    folder.mkdir()
+    monkeypatch.setattr(priors, "PRIORS", folder)
+    priors.load.cache_clear()
+    yield folder
+    priors.load.cache_clear()

@@ -14,11 +14,8 @@ from evoengine.arch import get_arch
 from evoengine.cli import build_parser
 from evoengine.search import priors
 from evoengine.search.domain import Domain
-from evoengine.search.loop import _seeds
 from evoengine.space import SearchSpace
-from evoengine.store import Store
 from evoengine.workload import Workload
-from tests.test_search import plant_elite
 
 SM90 = get_arch("sm_90a")
 
@@ -48,49 +45,8 @@ def test_every_shipped_prior_builds_for_its_own_problem() -> None:
         assert space.violations(params, dict(p.problem), SM90) == [], p
 
 
-@pytest.fixture
-def planted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty priors folder in place of the shipped one."""
-    folder = tmp_path / "priors"
-    folder.mkdir()
-    monkeypatch.setattr(priors, "PRIORS", folder)
-    priors.load.cache_clear()
-    yield folder
-    priors.load.cache_clear()
-
-
 def mma() -> SearchSpace:
     return SearchSpace.load(paths.SPACES / "mma.toml")
-
-
-def test_priors_come_after_the_stores_elites_of_as_near_a_problem(planted: Path,
-                                                                   tmp_path: Path) -> None:
-    """Seeds: the store's elites of the same problem (measured on this machine), then the
-    priors of the same problem, then elites of a farther problem, then farther priors; none
-    of the priors without ``priors``."""
-    here = Workload(8, 8, 2048, 64, causal=True)
-    other = Workload(8, 8, 2048, 64, causal=False)
-    space = mma()
-    points = space.admitted(here.problem(), SM90)
-    elite_near, elite_far, prior_near, prior_far = points[0], points[1], points[2], points[3]
-    (planted / "sm_90a.json").write_text(json.dumps({"points": [
-        {"kind": "fwd", "family": "mma", "problem": other.problem(), "params": prior_far,
-         "source": "x.json"},
-        {"kind": "fwd", "family": "mma", "problem": here.problem(), "params": prior_near,
-         "source": "x.json"},
-        {"kind": "varlen", "family": "mma", "problem": {**here.problem(), "VARLEN": True},
-         "params": points[4], "source": "another kind's, as far as two dimensions"},
-        {"kind": "bwd", "family": "mma_bwd", "problem": here.problem(), "params": {},
-         "source": "a family this search does not run: not a seed"},
-    ]}))
-    with Store(f"sqlite:///{tmp_path / 'seeds.db'}") as store:
-        plant_elite(store, space, elite_near, Workload(2, 8, 4096, 64, causal=True))
-        plant_elite(store, space, elite_far, other)
-        domain = Domain([space], here, SM90)
-        with_priors = [p for _, p in _seeds(store, domain, here.key(), priors=True)]
-        without = [p for _, p in _seeds(store, domain, here.key())]
-    assert with_priors == [elite_near, prior_near, elite_far, prior_far, points[4]]
-    assert without == [elite_near, elite_far]
 
 
 def test_a_prior_the_domain_does_not_admit_is_no_seed(planted: Path) -> None:
@@ -100,7 +56,7 @@ def test_a_prior_the_domain_does_not_admit_is_no_seed(planted: Path) -> None:
          "params": {"BLOCK_M": 4096}, "source": "x.json"},
         {"kind": "fwd", "family": "no-such-family", "problem": here.problem(), "params": {},
          "source": "x.json"}]}))
-    assert priors.seeds(Domain([mma()], here, SM90)) == []
+    assert priors.admitted(Domain([mma()], here, SM90)) == []
     assert priors.load("sm_89") == ()  # no file: no priors
 
 

@@ -480,39 +480,3 @@ def test_random_landscape_sanity() -> None:
     domain = Domain([mma()], WORKLOAD, SM90)
     times = sorted(fake_time(p) for _, p in domain.all_points())
     assert times[0] < times[1]
-
-
-def plant_elite(store: Store, space: SearchSpace, params: dict, w: Workload) -> None:
-    """Store ``params``, built for ``w`` on sm_90a, as ``w``'s rank-1 elite there."""
-    from evoengine.render import make_candidate, render
-
-    cand = make_candidate(space, params, w.problem(), SM90)
-    store.add_candidate(identity=cand.identity, family=cand.family,
-                        template_hash=cand.template_hash, params=cand.params,
-                        problem=cand.problem, source=render(cand))
-    run = store.start_run(arch="sm_90a", workload=w.to_dict(), workload_key=w.key(),
-                          device="fake", commit=None, study=w.key())
-    store.set_elites(arch="sm_90a", workload_key=w.key(), entries=[(cand.identity, 1.0)],
-                     run_id=run)
-
-
-def test_seeds_come_from_the_nearest_workloads_first(tmp_path: Path) -> None:
-    """The sampler tries the elites of other workloads in order of how near they are: same
-    problem before another dtype or mask, then nearest lengths, then nearest batch x heads."""
-    from evoengine.search.loop import _seeds, workload_distance
-
-    here = Workload(8, 8, 2048, 64, causal=True)
-    space = mma()
-    points = space.admitted(here.problem(), SM90)[:5]
-    others = [Workload(1, 8, 16384, 64, causal=True),   # far in length
-              Workload(8, 8, 2048, 64, causal=False),   # same lengths, other mask
-              Workload(16, 8, 1024, 64, causal=True),   # the rung below: the nearest
-              Workload(2, 8, 4096, 64, causal=True),    # the rung above, fewer rows
-              Workload(2, 8, 2048, 64, causal=True)]    # same lengths, fewer rows
-    with Store(f"sqlite:///{tmp_path / 'seeds.db'}") as store:
-        for w, params in zip(others, points, strict=True):
-            plant_elite(store, space, params, w)
-        seeds = _seeds(store, Domain([space], here, SM90), here.key())
-    order = [others.index(w) for w in (others[4], others[2], others[3], others[0], others[1])]
-    assert [p for _, p in seeds] == [points[i] for i in order]
-    assert workload_distance(here, "not-a-key") == (float("inf"),)

@@ -30,7 +30,6 @@ evaluators it created.
 from __future__ import annotations
 
 import collections
-import math
 import multiprocessing as mp
 import os
 import signal
@@ -54,9 +53,9 @@ from evoengine.search.coordination import Coordination
 from evoengine.search.domain import Domain, Point
 from evoengine.search.evaluator import DeviceInfo, Evaluation, Evaluator
 from evoengine.search.evidence import ANCHOR_KEYS, Evidence, results_document
-from evoengine.search.priors import seeds as prior_seeds
 from evoengine.search.progress import Progress, Tally
 from evoengine.search.samplers import NOT_EVALUATED, make_sampler
+from evoengine.search.seeds import seeds as start_points
 from evoengine.search.study import SearchStudy, open_storage, quiet_optuna
 from evoengine.search.worker import GpuEvaluator
 from evoengine.space import SearchSpace
@@ -204,7 +203,7 @@ def _search(config: SearchConfig, evaluator: Evaluator | Sequence[Evaluator] | N
         key = w.key()
         storage = open_storage(store.url, heartbeat_s=config.heartbeat_s, grace_s=config.grace_s)
         taken: set[str] = set()  # measured or claimed by any worker: not to be proposed
-        seeds = _seeds(store, domain, key, config.priors)
+        seeds = start_points(store, domain, key, config.priors)
         sampler = make_sampler(config.strategy, domain, seed=config.seed,
                                blocked=lambda: taken, seeds=seeds)
         study = SearchStudy.open(storage, study_name, sampler, domain)
@@ -215,7 +214,7 @@ def _search(config: SearchConfig, evaluator: Evaluator | Sequence[Evaluator] | N
         evidence = Evidence.start(store, domain, info, study_name, elites=config.elites)
         tally = Tally(planned=config.trials, seeds=len(seeds))
         if config.priors:  # how many of them only the priors gave
-            tally.seeds_from_priors = len(seeds) - len(_seeds(store, domain, key))
+            tally.seeds_from_priors = len(seeds) - len(start_points(store, domain, key))
         tally.per_gpu = {d: 0 for d in devices}
         if config.timeout_s is not None:
             tally.deadline = time.monotonic() + config.timeout_s
@@ -556,56 +555,6 @@ def _final(config: SearchConfig, domain: Domain, evidence: Evidence, evaluator: 
         tally.best_us = min(tally.best_us or rows[0]["ours_us"], rows[0]["ours_us"])
         tally.baseline = {a: timed[a] for a in ANCHOR_KEYS if a in timed}
     return rows
-
-
-def _seeds(store: Store, domain: Domain, key: str, priors: bool = False) -> list[Point]:
-    """Elites (ranks 1 and 2) of other workloads on this target whose points this domain
-    admits, nearest workload first (``workload_distance``): good kernels for a neighbouring
-    shape are likely good here, so they are tried first, and the sampler takes them in this
-    order. ``evoengine tune`` relies on it: its ladder's previous rung seeds the next. With
-    ``priors``, the target's shipped priors (``search.priors``) join them: after the store's
-    elites of a problem as near, before those of a farther one."""
-    found: list[tuple[tuple[float, ...], int, Point]] = []
-    for elite in store.elites(arch=domain.arch.name):
-        if elite.workload_key == key or elite.rank > 2:
-            continue
-        point = domain.point(domain.identity(elite.family, elite.params)
-                             if elite.family in domain.spaces else "")
-        if point is not None:
-            found.append((workload_distance(domain.workload, elite.workload_key),
-                          elite.rank, point))
-    if priors:
-        found += [((float(d), math.inf), 0, point) for d, point in prior_seeds(domain)]
-    found.sort(key=lambda f: (f[0], f[1]))  # stable: the store's order breaks ties
-    seeds: list[Point] = []
-    for _, _, point in found:
-        if point not in seeds:
-            seeds.append(point)
-    return seeds
-
-
-def workload_distance(here: Workload, key: str) -> tuple[float, ...]:
-    """How far the workload ``key`` names is from ``here``, to order seeds: first whether
-    its problem (head dim, dtype, causal) differs in 0 to 3 ways, then the log distance of
-    its lengths, then of its batch x heads. A key no problem reads is farthest."""
-    from evoengine.problems import workload_from_key
-
-    try:
-        there = workload_from_key(key)
-    except ValueError:
-        return (math.inf,)
-    a, b = here.problem(), there.problem()
-    differ = sum(a.get(k) != b.get(k) for k in a.keys() | b.keys())
-
-    def log_ratio(x: object, y: object) -> float:
-        ok = all(isinstance(v, int) and v > 0 for v in (x, y))
-        return abs(math.log(x / y)) if ok else math.inf  # type: ignore[operator]
-
-    lengths = sum(log_ratio(getattr(here, n, None), getattr(there, n, None))
-                  for n in ("seq_q", "seq_k"))
-    rows = log_ratio(getattr(here, "batch", 0) * getattr(here, "heads", 0),
-                     getattr(there, "batch", 0) * getattr(there, "heads", 0))
-    return (float(differ), lengths, rows)
 
 
 def _arch_of(info: DeviceInfo) -> Arch:

@@ -3,12 +3,11 @@ target, shipped beside the spaces (``search_spaces/priors/<arch>.json``, written
 ``benchmarks/priors.py`` from results files, each point naming the file it came from).
 
 A store's own elites say what ran fast on this machine for a neighbouring workload; the priors
-say what ran fast on the target's reference GPU for the named workloads. The search tries both
-first (``loop._seeds``): the store's elites of the same problem, then the priors of the same
-problem, then the rest, nearest first. A seed costs one evaluation, and a short search (a
-tune's rung, ``--timeout 2m`` on a slow workload: 100 evaluations) then starts from the known
-winners instead of hoping to meet them. ``--no-priors`` (``SearchConfig.priors``) turns them
-off, to see what the search finds from nothing.
+say what ran fast on the target's reference GPU for the workloads they name. The search tries
+both first, nearest workload first (``search.seeds``). A seed costs one evaluation, and a
+short search (a tune's rung, ``--timeout 2m`` on a slow workload: 100 evaluations) then starts
+from the known winners instead of hoping to meet them. ``--no-priors``
+(``SearchConfig.priors``) turns them off, to see what the search finds from nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ class Prior:
     problem: Mapping[str, Any]
     params: Mapping[str, Any]
     source: str  # the results file that measured it
+    workload: str = ""  # the key of the workload it was measured on ("": not named)
 
 
 def path(arch: str) -> Any:
@@ -50,7 +50,7 @@ def load(arch: str) -> tuple[Prior, ...]:
     for i, p in enumerate(doc.get("points", [])):
         try:
             out.append(Prior(str(p["kind"]), str(p["family"]), dict(p["problem"]),
-                             dict(p["params"]), str(p["source"])))
+                             dict(p["params"]), str(p["source"]), str(p.get("workload", ""))))
         except (KeyError, TypeError) as e:
             raise ValueError(f"{file}: points[{i}] lacks {e}") from None
     return tuple(out)
@@ -61,14 +61,11 @@ def differ(a: Mapping[str, Any], b: Mapping[str, Any]) -> int:
     return sum(a.get(k) != b.get(k) for k in a.keys() | b.keys())
 
 
-def seeds(domain: Domain) -> list[tuple[int, Point]]:
-    """The priors of the domain's target whose family it searches and whose point it admits,
-    each with how many problem dimensions separate it from the domain's, the problem kind
-    counted as one (a forward's point seeds a ragged prefill's search of the same family after
-    that kind's own), the fewest for a point measured on several problems; in the file's order
-    (fastest first per workload), no point twice."""
-    kind = domain.workload.kind
-    out: dict[str, tuple[int, Point]] = {}
+def admitted(domain: Domain) -> list[tuple[Prior, Point]]:
+    """The priors of the domain's target whose family it searches, with the point each names
+    there (measured for another problem of the family, a point serves where it is admitted:
+    a forward's seeds a ragged prefill's search), in the file's order."""
+    out = []
     for prior in load(domain.arch.name):
         if prior.family not in domain.spaces:
             continue
@@ -77,9 +74,6 @@ def seeds(domain: Domain) -> list[tuple[int, Point]]:
         except KeyError:  # a parameter the space no longer has, with no legacy value
             continue
         point = domain.point(identity)
-        if point is None:
-            continue
-        d = differ(prior.problem, domain.problem) + (prior.kind != kind)
-        if identity not in out or d < out[identity][0]:
-            out[identity] = (d, point)
-    return list(out.values())
+        if point is not None:
+            out.append((prior, point))
+    return out
