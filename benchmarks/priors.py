@@ -39,6 +39,7 @@ SOURCES = [
     ("sm_90a", "bwd_points", "2026-11-25-h100-train-step-fa4.json"),
     ("sm_90a", "points_us", "2026-11-25-h100-decode-fused.json"),
     ("sm_90a", "points_us", "2026-11-25-h100-decode-q4-h64-bm32.json"),
+    ("sm_90a", "cell_ids", "2026-11-25-h100-cell-kernels.json"),
 ]
 
 Prior = dict[str, Any]
@@ -101,7 +102,36 @@ def _decode_points(arch: Arch, problem: tuple[tuple[str, Any], ...]) -> dict[str
             for p in space.admitted(dict(problem), arch)}
 
 
-READERS = {"retimed": retimed, "bwd_points": bwd_points, "points_us": points_us}
+# experiments/2026-11-25-tune-cell/cell_kernels.py timed its points at Llama-3-8B's geometry.
+CELL_GEOMETRY = dict(heads=32, kv_heads=8, head_dim=128, causal=True, dtype="bf16")
+
+
+def cell_ids(row: dict[str, Any], arch: Arch, ids: list[str]) -> Iterator[Prior]:
+    """A row of the short-sequence cell timing (b, L, ours_us per point of the file's ids,
+    each an identity's parameter part): its fastest points."""
+    g = CELL_GEOMETRY
+    w = Workload(row["b"], g["heads"], row["L"], g["head_dim"], kv_heads=g["kv_heads"],
+                 causal=g["causal"], dtype=g["dtype"])
+    problem = w.problem()
+    by_part = _points_by_part(arch, "wgmma", tuple(problem.items()))
+    timed = sorted(zip(row["ours_us"], ids, strict=True))
+    for _, part in timed[:KEEP]:
+        if part in by_part:
+            yield {"kind": "fwd", "family": "wgmma", "problem": problem, "workload": w.key(),
+                   "params": by_part[part]}
+
+
+@cache
+def _points_by_part(arch: Arch, family: str, problem: tuple[tuple[str, Any], ...]) -> dict:
+    """``family``'s admitted points for ``problem`` by the parameter part of their identity."""
+    space = SearchSpace.load(paths.SPACES / f"{family}.toml")
+    prefix = make_identity(family, dict(problem), {}).rsplit("-", 1)[0] + "-"
+    return {make_identity(family, dict(problem), p).rsplit("-", 1)[0][len(prefix):]: p
+            for p in space.admitted(dict(problem), arch)}
+
+
+READERS = {"retimed": retimed, "bwd_points": bwd_points, "points_us": points_us,
+           "cell_ids": cell_ids}
 
 
 def build(arch: str) -> dict[str, Any]:
@@ -110,8 +140,10 @@ def build(arch: str) -> dict[str, Any]:
     for target, reader, name in SOURCES:
         if target != arch:
             continue
-        for row in json.loads((RESULTS / name).read_text())["rows"]:
-            for prior in READERS[reader](row, get_arch(arch)):
+        doc = json.loads((RESULTS / name).read_text())
+        extra = (doc["ids"],) if reader == "cell_ids" else ()
+        for row in doc["rows"]:
+            for prior in READERS[reader](row, get_arch(arch), *extra):
                 key = json.dumps([prior["kind"], prior["family"], prior["workload"],
                                   prior["params"]], sort_keys=True)
                 if key not in seen:
