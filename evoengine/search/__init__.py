@@ -7,13 +7,16 @@ One module per concept, each stating its contract:
 
 - ``loop``: the schedule (propose, compile ahead, evaluate, record) and ``search`` itself;
 - ``domain``: the admitted points of every family for one workload and target;
+- ``seeds``: where a search starts (other workloads' elites, nearest first) and ``priors``:
+  the target's shipped points that join them;
 - ``samplers``: the strategies, as Optuna samplers;
 - ``study``: the adapter to Optuna's study and trials (the only user of Optuna's private API);
 - ``coordination``: claims, heartbeats and the view of other workers on the same store;
 - ``evidence``: what the search writes to the store, and its results document;
 - ``evaluator``: the ``Evaluator`` interface; ``worker``: the GPU worker process and its
   protocol (``GpuEvaluator``, ``GpuWorker``);
-- ``progress``: the live status line; ``replay``: searching recorded sweeps without a GPU.
+- ``progress``: the live status line; ``replay``: searching recorded sweeps without a GPU;
+- ``cross``: the tune's cross re-time of each rung's entry over its dispatch cell.
 """
 
 from __future__ import annotations
