@@ -85,21 +85,14 @@ def points_us(row: dict[str, Any], arch: Arch) -> Iterator[Prior]:
     """A decode row: its points by identity, fastest first, their parameters found among the
     decode space's admitted points (an identity today's space no longer builds is skipped)."""
     problem = _problem(row, "decode")
-    by_name = _decode_points(arch, tuple(problem.items()))
+    by_part = _points_by_part(arch, "decode", tuple(problem.items()))
+    prefix = make_identity("decode", problem, {}).rsplit("-", 1)[0] + "-"
     timed = sorted(row["points_us"].items(), key=lambda kv: kv[1])
     for identity, _ in timed[:KEEP]:
-        params = by_name.get(identity.rsplit("-", 1)[0])
+        params = by_part.get(identity.rsplit("-", 1)[0][len(prefix):])
         if params is not None:
             yield {"kind": "decode", "family": "decode", "problem": problem,
                    "workload": row["workload"], "params": params}
-
-
-@cache
-def _decode_points(arch: Arch, problem: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
-    """The decode space's admitted points for ``problem``, by identity less its template hash."""
-    space = SearchSpace.load(paths.SPACES / "decode.toml")
-    return {make_identity("decode", dict(problem), p).rsplit("-", 1)[0]: p
-            for p in space.admitted(dict(problem), arch)}
 
 
 # experiments/2026-11-25-tune-cell/cell_kernels.py timed its points at Llama-3-8B's geometry.
@@ -123,11 +116,22 @@ def cell_ids(row: dict[str, Any], arch: Arch, ids: list[str]) -> Iterator[Prior]
 
 @cache
 def _points_by_part(arch: Arch, family: str, problem: tuple[tuple[str, Any], ...]) -> dict:
-    """``family``'s admitted points for ``problem`` by the parameter part of their identity."""
+    """``family``'s admitted points for ``problem`` by the parameter part of their identity,
+    the parameters added since the measurement (``[legacy]``, at their legacy value) left out
+    of the part, as an identity written before them lacks them."""
     space = SearchSpace.load(paths.SPACES / f"{family}.toml")
-    prefix = make_identity(family, dict(problem), {}).rsplit("-", 1)[0] + "-"
-    return {make_identity(family, dict(problem), p).rsplit("-", 1)[0][len(prefix):]: p
-            for p in space.admitted(dict(problem), arch)}
+    out: dict[str, Any] = {}
+    newest_last = list(space.legacy)
+    for p in space.admitted(dict(problem), arch):
+        for added in range(len(newest_last) + 1):  # with 0, 1, ... of the newest left out
+            dropped = newest_last[len(newest_last) - added:]
+            if any(p[k] != space.legacy[k] for k in dropped):
+                continue  # an identity from before them names only their legacy value
+            kept = {k: v for k, v in p.items() if k not in dropped}
+            prefix = make_identity(family, dict(problem), {}).rsplit("-", 1)[0] + "-"
+            out.setdefault(make_identity(family, dict(problem), kept).rsplit("-", 1)[0]
+                           [len(prefix):], p)
+    return out
 
 
 READERS = {"retimed": retimed, "bwd_points": bwd_points, "points_us": points_us,

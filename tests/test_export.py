@@ -417,8 +417,9 @@ def test_a_store_from_before_a_parameter_was_added_exports(
     problem = record.workload.problem()
     old_identity = make_identity("wgmma", problem, best.params)  # as the replay stores it
     space = SearchSpace.load(paths.SPACES / "wgmma.toml")
-    today = make_candidate(space, {**best.params, "TILE_ORDER": "head", "SCHEDULER": "static"},
-                           problem, ARCH)
+    legacy = {"TILE_ORDER": "head", "SCHEDULER": "static", "PACK_GQA": False}
+    assert space.legacy == legacy
+    today = make_candidate(space, {**best.params, **legacy}, problem, ARCH)
     other = Workload(2, 16, 4096, 128, causal=True)
     with Store(f"sqlite:///{tmp_path / 'before.db'}") as store:
         store.add_candidate(identity=old_identity, family="wgmma",
@@ -431,7 +432,7 @@ def test_a_store_from_before_a_parameter_was_added_exports(
     assert done.kernels == [today.identity] and len(done.entries) == 2
     module = import_path(done.path, "tuned_attention_before")
     (spec,) = module._KERNEL_SPECS
-    assert spec["params"] == {**best.params, "TILE_ORDER": "head", "SCHEDULER": "static"}
+    assert spec["params"] == {**best.params, **legacy}
     (kernel,) = module.attention.kernels
     assert kernel.source == render(today) and kernel.cubin[:4] == b"\x7fELF"
 

@@ -32,6 +32,7 @@ from evoengine.search.replay import (
     save_record,
     synthetic_record,
 )
+from evoengine.space import SearchSpace
 from evoengine.store import Store
 from evoengine.workload import Workload
 from tests.test_search import SM90, WORKLOAD, FakeEvaluator, fake_time, mma, stub_compile
@@ -56,6 +57,11 @@ def small(record: Record) -> Record:
 @pytest.fixture
 def record_file(tmp_path: Path, small: Record) -> Path:
     return save_record(small, tmp_path / "sweep.json.gz")
+
+
+def wgmma_legacy() -> dict[str, object]:
+    """The values the wgmma space fills into a point recorded before its later parameters."""
+    return dict(SearchSpace.load(paths.SPACES / "wgmma.toml").legacy)
 
 
 def replay(tmp_path: Path, rec: Record, **kw: Any) -> tuple[Any, ReplayEvaluator]:
@@ -326,7 +332,7 @@ def test_a_replayed_store_exports_with_the_legacy_values(
     with Store(replayed) as store:
         (elite,) = [e for e in store.elites(arch="sm_90a") if e.rank == 1]
     (spec,) = import_path(out, "tuned_attention_replayed")._KERNEL_SPECS
-    assert spec["params"] == {**elite.params, "TILE_ORDER": "head", "SCHEDULER": "static"}
+    assert spec["params"] == {**elite.params, **wgmma_legacy()}
     wgmma = SearchSpace.load(paths.SPACES / "wgmma.toml")
     assert list(spec["params"]) == list(wgmma.parameters)
 
@@ -346,7 +352,7 @@ def test_a_replayed_store_records_in_todays_layout(replayed: str) -> None:
                           for p in points)
     swept = load_record(SWEEP)
     for p in points:  # each the swept point, with the legacy values filled in
-        before = {k: v for k, v in p.params.items() if k not in ("TILE_ORDER", "SCHEDULER")}
+        before = {k: v for k, v in p.params.items() if k not in wgmma.legacy}
         assert ("wgmma", json.dumps(before, sort_keys=True)) in stored
         assert swept.lookup("wgmma", before).median_us == p.median_us  # type: ignore[union-attr]
 
@@ -385,8 +391,7 @@ def test_a_search_on_todays_spaces_seeds_from_a_replayed_stores_elites(replayed:
     with Store(replayed) as store:
         seeds = [e for e in store.elites(arch="sm_90a") if e.rank <= 2]
     domain = Domain(wgmma, other, SM90)
-    want = {domain.identity("wgmma", {**e.params, "TILE_ORDER": "head", "SCHEDULER": "static"})
-            for e in seeds}
+    want = {domain.identity("wgmma", {**e.params, **wgmma_legacy()}) for e in seeds}
     result = search(SearchConfig(workload=other, spaces=wgmma, arch=SM90, store=replayed,
                                  trials=4, seed=1, compile_workers=1),
                     evaluator=Steady(), progress=Progress(1.0, quiet=True), compile_fn=builds)

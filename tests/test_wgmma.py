@@ -45,7 +45,7 @@ from evoengine.space import SearchSpace, default_spaces, spread
 SM90 = get_arch("sm_90a")
 BASE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-            SCHEDULER="static")
+            SCHEDULER="static", PACK_GQA=False)
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 SPREAD = 16  # compiled points: two per default problem
@@ -105,7 +105,7 @@ def test_space_targets_sm90a_only() -> None:
     assert sp.archs == ("sm_90a",)
     assert list(sp.parameters) == ["BLOCK_M", "BLOCK_N", "STAGES", "SWIZZLE", "P_FROM",
                                    "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER",
-                                   "SCHEDULER"]
+                                   "SCHEDULER", "PACK_GQA"]
     for arch in ("sm_80", "sm_86", "sm_89"):
         target = get_arch(arch)
         assert sp.violations(BASE, HD64, target) == [f"family wgmma does not target {arch}"]
@@ -398,6 +398,59 @@ def test_tma_grid() -> None:
     assert tma_grid(128, seq_q=1000, heads=16, batch=4, persistent=False, sms=132) == (512, 512)
     assert tma_grid(128, seq_q=1000, heads=16, batch=4, persistent=True, sms=132) == (132, 512)
     assert tma_grid(192, seq_q=100, heads=2, batch=1, persistent=True, sms=132) == (2, 2)
+    # PACK_GQA, 4 heads per token: 1000 x 4 rows per block of 4 heads
+    assert tma_grid(128, seq_q=1000, heads=16, batch=4, persistent=False, sms=132,
+                    pack=4) == (32 * 4 * 4, 32 * 4 * 4)
+
+
+def test_map_geometry_of_packed_heads() -> None:
+    """PACK_GQA's Q: rank 5, (d, heads in a block, seq, head blocks, batch); a box is P heads
+    of rows / P tokens, so the 64 rows land head fastest (row = token * P + head)."""
+    b, h, s, d = 2, 8, 100, 128
+    contiguous = (h * s * d, s * d, d, 1)
+    g = tma_geometry((b, h, s, d), contiguous, 2, 64, 128, pack=4)
+    assert g.dims == (128, 4, 100, 2, 2)
+    assert g.strides == (s * d * 2, d * 2, 4 * s * d * 2, h * s * d * 2)
+    assert g.box == (64, 4, 16, 1, 1)
+    # a bshd view (heads d apart), and a varlen [1, H, total, D] view of [total, H, D]
+    g = tma_geometry((b, h, s, d), (s * h * d, d, h * d, 1), 2, 64, 128, pack=8)
+    assert g.dims == (128, 8, 100, 1, 2) and g.box == (64, 8, 8, 1, 1)
+    assert g.strides[0] == d * 2 and g.strides[1] == h * d * 2
+    with pytest.raises(ValueError, match="must divide"):
+        tma_geometry((b, 6, s, d), (6 * s * d, s * d, d, 1), 2, 64, 128, pack=4)
+
+
+@pytest.mark.parametrize(("group", "heads"), [(1, 1), (2, 2), (3, 1), (8, 8), (12, 4), (32, 32),
+                                              (128, 64)])
+def test_heads_packed_per_token(group: int, heads: int) -> None:
+    """The lowest set bit of the group, at most 64 (a consumer's 64 rows hold whole tokens);
+    the kernel's ``pack_log2`` computes the same on the device."""
+    packed = TmaParams(128, 128, False, pack=True)
+    assert packed.pack_heads(group) == heads
+    assert TmaParams(128, 128, False).pack_heads(group) == 1
+
+
+@pytest.mark.parametrize("problem", [{**HD64, "CAUSAL": True}, HD128,
+                                     {**HD128, "VARLEN": True}])
+def test_packed_points_spill_no_more_than_unpacked(problem: dict) -> None:
+    """PACK_GQA (untested on a GPU) builds, with no local memory, at the tiles of the d64 and
+    d128 winners, ragged (VARLEN) too, and spills no more than the same point unpacked (some
+    ragged 3-consumer points spill a few bytes in the producer either way)."""
+    sp = space().with_untested()
+    for override in ({"BLOCK_M": 192, "PINGPONG": True, "PERSISTENT": True},
+                     {"BLOCK_M": 192, "P_FROM": "smem", "PINGPONG": True},
+                     {"PINGPONG": True, "PERSISTENT": True, "SCHEDULER": "dynamic"}):
+        point = {**BASE, **override}
+        if sp.violations(point, problem, SM90):
+            continue
+        built = [compile_candidate(make_candidate(sp, {**point, "PACK_GQA": pk}, problem, SM90),
+                                   SM90) for pk in (False, True)]
+        assert all(r.ok for r in built), [r.error for r in built]
+        unpacked, packed = (r.spill_bytes or 0 for r in built)
+        assert packed <= unpacked, (override, problem, unpacked, packed)
+        if packed == 0:
+            c = make_candidate(sp, {**point, "PACK_GQA": True}, problem, SM90)
+            check_compiled(c, built[1])
 
 
 def test_tma_params_come_from_the_family() -> None:
@@ -479,7 +532,7 @@ def test_launch_passes_a_fresh_zero_counter_only_when_dynamic(
     monkeypatch.setattr(launch_forward, "in_context", lambda loaded, fn, *args: fn(*args))
     monkeypatch.setattr(launch_forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(launch_forward, "raw_stream", lambda index: 0)
-    monkeypatch.setattr(k, "_tensor_map", lambda t, rows: bytes(128))
+    monkeypatch.setattr(k, "_tensor_map", lambda t, rows, pack=0: bytes(128))
     # CPU tensors are device index -1; only the fields the launch reads are filled in.
     k._loaded[-1] = launch_forward.Loaded(0, 0, lambda *a: None, lambda: 0, lambda c: None, None)
     q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)

@@ -217,13 +217,15 @@ class CudaKernel:
             launch_in_context(loaded, (loaded.fn, grid_x, p.heads, p.batch, self.threads, 1, 1,
                                         self.smem_bytes, stream, self._argv_ptr, 0))
 
-    def _tensor_map(self, t: Tensor, rows: int) -> bytes:
+    def _tensor_map(self, t: Tensor, rows: int, pack: int = 0) -> bytes:
+        """The map of ``t`` in boxes of ``rows`` rows (``pack`` > 0: a PACK_GQA kernel's Q,
+        ``pack`` heads per token)."""
         assert self.tma is not None
-        key = (t.data_ptr(), tuple(t.shape), t.stride(), rows)
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), rows, pack)
         found = self._maps.get(key)
         if found is None:
             geometry = tma_geometry(tuple(t.shape), t.stride(), t.element_size(), rows,
-                                    self.tma.swizzle)
+                                    self.tma.swizzle, pack)
             found = encode_tensor_map(t.data_ptr(), geometry, self.dtype)
             if len(self._maps) >= 64:  # lengths vary without bound; keep the cache small
                 self._maps.clear()
@@ -235,10 +237,11 @@ class CudaKernel:
         assert self.tma is not None
         index = q.get_device()
         loaded = self._loaded.get(index) or self.load(index)
+        pack = self.tma.pack_heads(p.heads // p.kv_heads)
         grid, tiles = tma_grid(self.block_m, p.seq_q, p.heads, p.batch, self.tma.persistent,
-                               sm_count(index))
-        maps = (self._tensor_map(q, TMA_Q_ROWS), self._tensor_map(k, self.tma.block_n),
-                self._tensor_map(v, self.tma.block_n))
+                               sm_count(index), pack)
+        maps = (self._tensor_map(q, TMA_Q_ROWS, pack if self.tma.pack else 0),
+                self._tensor_map(k, self.tma.block_n), self._tensor_map(v, self.tma.block_n))
         os_ = out.stride()
         stream = raw_stream(index)
         with self._lock:  # the argument buffer and the counters: one launch at a time

@@ -30,32 +30,45 @@ class TmaParams(NamedTuple):
     block_n: int  # rows of K and V per box
     persistent: bool  # one block per SM, each looping over tiles
     dynamic: bool = False  # persistent blocks draw tiles from a zeroed counter in global memory
+    pack: bool = False  # PACK_GQA: a tile's rows are pack_heads(kv_group) heads per token
+
+    def pack_heads(self, kv_group: int) -> int:
+        """P, the query heads a tile packs per token: 1, or (PACK_GQA) the lowest set bit of
+        the group, at most 64, so a consumer's 64 rows are whole tokens (the kernel's
+        ``pack_log2``)."""
+        return min(kv_group & -kv_group, 64) if self.pack else 1
 
 
 def tma_params(family: str, params: Mapping[str, Any]) -> TmaParams | None:
     """The TMA launch of a candidate of ``family``, or None for a pointer-ABI family.
 
-    Specs exported before the wgmma space had SCHEDULER lack it: those kernels are static.
+    Specs exported before the wgmma space had SCHEDULER (or PACK_GQA) lack it: those kernels
+    are static (and unpacked).
     """
     if family not in TMA_FAMILIES:
         return None
     return TmaParams(int(params["SWIZZLE"]), int(params["BLOCK_N"]), bool(params["PERSISTENT"]),
-                     params.get("SCHEDULER", "static") == "dynamic")
+                     params.get("SCHEDULER", "static") == "dynamic",
+                     bool(params.get("PACK_GQA", False)))
 
 
 class TmaGeometry(NamedTuple):
-    """What ``cuTensorMapEncodeTiled`` gets for one tensor, innermost dimension first."""
+    """What ``cuTensorMapEncodeTiled`` gets for one tensor, innermost dimension first: rank 4,
+    (head_dim, seq, heads, batch), or with ``pack`` heads per token rank 5, (head_dim, heads in
+    a block, seq, head blocks, batch)."""
 
-    dims: tuple[int, int, int, int]  # (head_dim, seq, heads, batch)
-    strides: tuple[int, int, int]  # bytes, of dims 1..3
-    box: tuple[int, int, int, int]
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]  # bytes, of dims 1..
+    box: tuple[int, ...]
     swizzle: int  # bytes
 
 
 def tma_geometry(shape: tuple[int, ...], strides: tuple[int, ...], elem_bytes: int, rows: int,
-                 swizzle: int) -> TmaGeometry:
+                 swizzle: int, pack: int = 0) -> TmaGeometry:
     """The tiled view of a ``[B, H, S, D]`` tensor with element ``strides``: boxes of one
-    swizzle panel (swizzle / elem_bytes values) by ``rows`` rows.
+    swizzle panel (swizzle / elem_bytes values) by ``rows`` rows. ``pack`` P > 0 gives the
+    rank-5 view of a PACK_GQA kernel's Q: a box's rows are P heads of each of rows / P tokens,
+    head fastest (0: the rank-4 view).
 
     TMA wants byte strides that are multiples of 16 below 2^40; a dimension of size 1 is
     never stepped over, so its stride (which torch leaves arbitrary) is replaced by a legal
@@ -78,13 +91,22 @@ def tma_geometry(shape: tuple[int, ...], strides: tuple[int, ...], elem_bytes: i
             raise ValueError(f"TMA needs byte strides that are positive multiples of 16, "
                              f"got element strides {strides}")
         out.append(nbytes)
-    return TmaGeometry((d, s, h, b), (out[0], out[1], out[2]), (panel, rows, 1, 1), swizzle)
+    if not pack:
+        return TmaGeometry((d, s, h, b), (out[0], out[1], out[2]), (panel, rows, 1, 1), swizzle)
+    if h % pack or rows % pack:
+        raise ValueError(f"{pack} heads per token must divide the {h} heads and {rows} rows")
+    # (d, heads in a block, seq, head blocks, batch): a block's heads are pack head strides
+    # apart; a size-1 dimension's stride is legal already (above).
+    head = strides[1] * elem_bytes if h > 1 else out[1]
+    return TmaGeometry((d, pack, s, h // pack, b), (head, out[0], pack * head, out[2]),
+                       (panel, pack, rows // pack, 1, 1), swizzle)
 
 
 def tma_grid(block_m: int, seq_q: int, heads: int, batch: int, persistent: bool,
-             sms: int) -> tuple[int, int]:
-    """(blocks, tiles): one block per tile, or at most one per SM when persistent."""
-    tiles = -(-seq_q // block_m) * heads * batch
+             sms: int, pack: int = 1) -> tuple[int, int]:
+    """(blocks, tiles): one block per tile, or at most one per SM when persistent. With
+    ``pack`` heads per token, a tile's rows are packed: seq_q x pack rows per head block."""
+    tiles = -(-seq_q * pack // block_m) * (heads // pack) * batch
     return (min(tiles, sms) if persistent else tiles), tiles
 
 
@@ -103,10 +125,12 @@ def encode_tensor_map(address: int, geometry: TmaGeometry, dtype: str) -> bytes:
     """The 128 bytes of a CUtensorMap (zero fill out of range, 256-byte L2 promotion)."""
     raw = ctypes.create_string_buffer(128 + 64)  # the map must be 64-byte aligned
     at = -ctypes.addressof(raw) % 64 + ctypes.addressof(raw)
+    rank = len(geometry.dims)
     err = _tensor_map_encoder()(
-        at, _TMA_DTYPE[dtype], 4, address, (ctypes.c_uint64 * 4)(*geometry.dims),
-        (ctypes.c_uint64 * 3)(*geometry.strides), (ctypes.c_uint32 * 4)(*geometry.box),
-        (ctypes.c_uint32 * 4)(1, 1, 1, 1), 0, _TMA_SWIZZLE[geometry.swizzle], _TMA_L2_256B, 0)
+        at, _TMA_DTYPE[dtype], rank, address, (ctypes.c_uint64 * rank)(*geometry.dims),
+        (ctypes.c_uint64 * (rank - 1))(*geometry.strides),
+        (ctypes.c_uint32 * rank)(*geometry.box), (ctypes.c_uint32 * rank)(*([1] * rank)), 0,
+        _TMA_SWIZZLE[geometry.swizzle], _TMA_L2_256B, 0)
     if err != 0:
         raise ValueError(f"cuTensorMapEncodeTiled refused {geometry} at {address:#x}: "
                          f"CUresult {err}")

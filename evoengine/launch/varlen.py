@@ -212,10 +212,12 @@ class CudaVarlenKernel(CudaKernel):
                 launch_in_context(loaded, (loaded.fn, grid_x, heads, batch, self.threads, 1, 1,
                                             self.smem_bytes, stream, self._argv_ptr, 0))
             return
+        pack = self.tma.pack_heads(group)
         grid, tiles = tma_grid(self.block_m, max_seqlen_q, heads, batch, self.tma.persistent,
-                               sm_count(index))
+                               sm_count(index), pack)
         # [total, H, D] seen as [1, H, total, D]: the maps' row coordinate is the packed row.
-        maps = (self._tensor_map(q.unsqueeze(0).transpose(1, 2), TMA_Q_ROWS),
+        maps = (self._tensor_map(q.unsqueeze(0).transpose(1, 2), TMA_Q_ROWS,
+                                 pack if self.tma.pack else 0),
                 self._tensor_map(k.unsqueeze(0).transpose(1, 2), self.tma.block_n),
                 self._tensor_map(v.unsqueeze(0).transpose(1, 2), self.tma.block_n))
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.tma.dynamic else None

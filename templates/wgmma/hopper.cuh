@@ -89,6 +89,15 @@ __device__ __forceinline__ void load_4d(u32 dst, const TmaMap* map, u32 bar, int
       : "memory");
 }
 
+__device__ __forceinline__ void load_5d(u32 dst, const TmaMap* map, u32 bar, int c0, int c1,
+                                        int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+      : "memory");
+}
+
 }  // namespace tma
 
 // ---- warpgroups -----------------------------------------------------------------------------

@@ -25,7 +25,7 @@ def wgmma_point(**override: object) -> dict[str, object]:
     ping-pong, one block per tile, per-head order, static schedule; with ``override``."""
     return {**dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
                    INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-                   SCHEDULER="static"), **override}
+                   SCHEDULER="static", PACK_GQA=False), **override}
 
 
 # Hand-picked points spanning each family's parameters (stages, swizzle, Q placement,
@@ -212,6 +212,40 @@ def test_wgmma_one_key_dominates_a_later_block(causal: bool, idx: int, dtype: st
     ref, ref_lse = validate.reference(q, k, v, causal=causal)
     verdict = validate.judge(out, ref, validate.sdpa(q, k, v, causal=causal), lse, ref_lse)
     assert verdict.ok, f"{kernel.candidate.identity}: {verdict.reason}"
+
+
+# PACK_GQA ([untested] until this passes): P query heads of a KV head per token in a tile's
+# rows, P the lowest set bit of the group (at most 64): one, two and three consumers, P
+# through shared memory, the dynamic scheduler.
+PACKED = [
+    wgmma_point(PACK_GQA=True),
+    wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PACK_GQA=True),
+    wgmma_point(BLOCK_M=64, BLOCK_N=176, PACK_GQA=True),
+    wgmma_point(PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic", PACK_GQA=True),
+]
+# (batch, heads, kv_heads, seq_q, seq_k, layout): groups of 4, 32 (MQA-like), 3 (odd: P = 1),
+# 12 (P = 4 of 12), 128 (P capped at 64) and 1, lengths no tile's multiple, rows with no key
+PACKED_SHAPES = [
+    (2, 8, 2, 257, 257, "bhsd"),
+    (1, 32, 1, 300, 333, "bshd"),
+    (2, 6, 2, 129, 129, "bhsd"),
+    (1, 12, 1, 200, 150, "bhsd"),
+    (1, 128, 1, 70, 90, "bshd"),
+    (1, 4, 4, 100, 100, "bhsd"),
+]
+
+
+@pytest.mark.parametrize("idx", range(len(PACKED)))
+@pytest.mark.parametrize("problem", PROBLEMS, ids=problem_id)
+def test_wgmma_packed_gqa(problem: dict, idx: int) -> None:
+    need_family("wgmma")
+    sp = space("wgmma").with_untested()
+    if sp.violations(PACKED[idx], problem, gpu_arch()):
+        pytest.skip("not admitted for this problem")
+    (kernel,) = build([make_candidate(sp, PACKED[idx], problem, gpu_arch())])
+    for shape in PACKED_SHAPES:
+        verdict = run_check(kernel, shape)
+        assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
 
 
 @pytest.mark.parametrize("family", CONFIGS)

@@ -28,7 +28,7 @@ MMA_POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q
 def wgmma_point(**override: object) -> dict[str, object]:
     return {**dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
                    INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-                   SCHEDULER="static"), **override}
+                   SCHEDULER="static", PACK_GQA=False), **override}
 
 
 # One to three consumer warpgroups, ping-pong, a persistent grid with each scheduler and tile
@@ -78,6 +78,25 @@ def test_ragged_batches_pass_the_criterion(family: str, causal: bool) -> None:
         pytest.skip(f"{family} needs sm_90a")
     for kernel in kernels(varlen_candidates(family, points(family), causal)):
         for heads, kv, strided in ((8, 2, True), (6, 1, False), (4, 4, True)):
+            v = validate.check_varlen(kernel, seqlens=RAGGED, heads=heads, kv_heads=kv,
+                                      head_dim=128, causal=causal, dtype=torch.float16,
+                                      strided=strided)
+            assert v.ok, f"{kernel.name} H{heads}/{kv} strided={strided}: {v.reason}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_gqa_ragged_batches(causal: bool) -> None:
+    """PACK_GQA ([untested] until this passes) on ragged batches: groups of 4, 32 and 3."""
+    if "wgmma" not in families():
+        pytest.skip("wgmma needs sm_90a")
+    sp = SearchSpace.load(paths.SPACES / "wgmma.toml").with_untested()
+    problem = dict(HEAD_DIM=128, DTYPE="fp16", CAUSAL=causal, VARLEN=True)
+    points = [wgmma_point(PACK_GQA=True),
+              wgmma_point(PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic", PACK_GQA=True)]
+    cands = [make_candidate(sp, p, problem, gpu_arch()) for p in points
+             if not sp.violations(p, problem, gpu_arch())]
+    for kernel in kernels(cands):
+        for heads, kv, strided in ((8, 2, True), (32, 1, False), (6, 2, True)):
             v = validate.check_varlen(kernel, seqlens=RAGGED, heads=heads, kv_heads=kv,
                                       head_dim=128, causal=causal, dtype=torch.float16,
                                       strided=strided)
