@@ -11,16 +11,16 @@ instruction.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"),
+                str(ROOT / "experiments" / "2026-11-25-wgmma-softmax")]
 
 from sass_report import disassemble  # noqa: E402
+from softmax_sass import base_sass  # noqa: E402  (the base checkout's wgmma builds)
 
 from evoengine.arch import get_arch  # noqa: E402
 from evoengine.compile import compile_many  # noqa: E402
@@ -39,23 +39,6 @@ def sample(space: SearchSpace, arch) -> list[tuple[dict, dict]]:
         for p in rng.sample(admitted, min(4, len(admitted))):
             out.append((problem, {k: v for k, v in p.items() if k != "PACK_GQA"}))
     return out
-
-
-def base_sass(base: Path, points: list) -> list[list[str]]:
-    """Each (problem, point)'s SASS as checkout ``base`` builds it (its own evoengine)."""
-    code = (
-        "import sys, json; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/benchmarks'];"
-        "from sass_report import disassemble; from evoengine.arch import get_arch;"
-        "from evoengine.compile import compile_many; from evoengine.render import make_candidate;"
-        "from evoengine.space import SearchSpace; from pathlib import Path;"
-        "a = get_arch('sm_90a'); s = SearchSpace.load(Path(sys.argv[1]) / "
-        "'search_spaces/wgmma.toml'); pts = json.loads(sys.argv[2]);"
-        "cs = [make_candidate(s, s.complete(p), pr, a) for pr, p in pts];"
-        "print(json.dumps([[i[2] + ' ' + i[3] for i in disassemble(r.cubin)] "
-        "for r in compile_many(cs, a)]))")
-    out = subprocess.run([sys.executable, "-c", code, str(base), json.dumps(points)],
-                         capture_output=True, text=True, check=True, cwd=base).stdout
-    return json.loads(out)
 
 
 def main() -> None:
