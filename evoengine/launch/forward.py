@@ -232,16 +232,22 @@ class CudaKernel:
             self._maps[key] = found
         return found
 
+    def _q_map(self, q: Tensor, kv_group: int) -> tuple[bytes, int]:
+        """Q's tensor map and the heads per token its tiles pack (1: unpacked, the rank-4
+        map; PACK_GQA: ``TmaParams.pack_heads``, the rank-5 map even when that is 1)."""
+        assert self.tma is not None
+        pack = self.tma.pack_heads(kv_group)
+        return self._tensor_map(q, TMA_Q_ROWS, pack if self.tma.pack else 0), pack
+
     def _launch_tma(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor | None,
                     p: Problem, scale: float) -> None:
         assert self.tma is not None
         index = q.get_device()
         loaded = self._loaded.get(index) or self.load(index)
-        pack = self.tma.pack_heads(p.heads // p.kv_heads)
+        q_map, pack = self._q_map(q, p.heads // p.kv_heads)
         grid, tiles = tma_grid(self.block_m, p.seq_q, p.heads, p.batch, self.tma.persistent,
                                sm_count(index), pack)
-        maps = (self._tensor_map(q, TMA_Q_ROWS, pack if self.tma.pack else 0),
-                self._tensor_map(k, self.tma.block_n), self._tensor_map(v, self.tma.block_n))
+        maps = (q_map, self._tensor_map(k, self.tma.block_n), self._tensor_map(v, self.tma.block_n))
         os_ = out.stride()
         stream = raw_stream(index)
         with self._lock:  # the argument buffer and the counters: one launch at a time

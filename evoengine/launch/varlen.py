@@ -36,7 +36,7 @@ from evoengine.launch.core import (
     softmax_scale,
 )
 from evoengine.launch.forward import CudaKernel
-from evoengine.launch.tma import TMA_ARG_OFFSETS, TMA_Q_ROWS, tma_grid
+from evoengine.launch.tma import TMA_ARG_OFFSETS, tma_grid
 
 _VARLEN_ARGS = ParamBuffer("QQQQQ" + "iiii" + "q" * 12 + "f" + "QQi")
 # The TMA arguments (tma.TMA_ARGS) and cu_seqlens_q, cu_seqlens_k, total_q.
@@ -212,12 +212,11 @@ class CudaVarlenKernel(CudaKernel):
                 launch_in_context(loaded, (loaded.fn, grid_x, heads, batch, self.threads, 1, 1,
                                             self.smem_bytes, stream, self._argv_ptr, 0))
             return
-        pack = self.tma.pack_heads(group)
+        # [total, H, D] seen as [1, H, total, D]: the maps' row coordinate is the packed row.
+        q_map, pack = self._q_map(q.unsqueeze(0).transpose(1, 2), group)
         grid, tiles = tma_grid(self.block_m, max_seqlen_q, heads, batch, self.tma.persistent,
                                sm_count(index), pack)
-        # [total, H, D] seen as [1, H, total, D]: the maps' row coordinate is the packed row.
-        maps = (self._tensor_map(q.unsqueeze(0).transpose(1, 2), TMA_Q_ROWS,
-                                 pack if self.tma.pack else 0),
+        maps = (q_map,
                 self._tensor_map(k.unsqueeze(0).transpose(1, 2), self.tma.block_n),
                 self._tensor_map(v.unsqueeze(0).transpose(1, 2), self.tma.block_n))
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.tma.dynamic else None

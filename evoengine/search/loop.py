@@ -55,7 +55,7 @@ from evoengine.search.evaluator import DeviceInfo, Evaluation, Evaluator
 from evoengine.search.evidence import ANCHOR_KEYS, Evidence, results_document
 from evoengine.search.progress import Progress, Tally
 from evoengine.search.samplers import NOT_EVALUATED, make_sampler
-from evoengine.search.seeds import seeds as start_points
+from evoengine.search.seeds import seeds_by_origin
 from evoengine.search.study import SearchStudy, open_storage, quiet_optuna
 from evoengine.search.worker import GpuEvaluator
 from evoengine.space import SearchSpace
@@ -203,18 +203,17 @@ def _search(config: SearchConfig, evaluator: Evaluator | Sequence[Evaluator] | N
         key = w.key()
         storage = open_storage(store.url, heartbeat_s=config.heartbeat_s, grace_s=config.grace_s)
         taken: set[str] = set()  # measured or claimed by any worker: not to be proposed
-        seeds = start_points(store, domain, key, config.priors)
+        origins = seeds_by_origin(store, domain, key, config.priors)
         sampler = make_sampler(config.strategy, domain, seed=config.seed,
-                               blocked=lambda: taken, seeds=seeds)
+                               blocked=lambda: taken, seeds=[point for point, _ in origins])
         study = SearchStudy.open(storage, study_name, sampler, domain)
         other = study.tie(arch.name, key)
         if other is not None:  # a study belongs to one (arch, workload)
             raise SearchError(f"study {study_name!r} searches {other[1]} on {other[0]}, not "
                               f"{key} on {arch.name}; pick another --study")
         evidence = Evidence.start(store, domain, info, study_name, elites=config.elites)
-        tally = Tally(planned=config.trials, seeds=len(seeds))
-        if config.priors:  # how many of them only the priors gave
-            tally.seeds_from_priors = len(seeds) - len(start_points(store, domain, key))
+        tally = Tally(planned=config.trials, seeds=len(origins),
+                      seeds_from_priors=sum(only_prior for _, only_prior in origins))
         tally.per_gpu = {d: 0 for d in devices}
         if config.timeout_s is not None:
             tally.deadline = time.monotonic() + config.timeout_s

@@ -16,6 +16,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from evoengine import paths
@@ -34,7 +35,7 @@ class Prior:
     workload: str = ""  # the key of the workload it was measured on ("": not named)
 
 
-def path(arch: str) -> Any:
+def path(arch: str) -> Path:
     return PRIORS / f"{arch}.json"
 
 

@@ -23,6 +23,12 @@ ELITE, PRIOR = 0, 1  # at equal distance, the store's elites first
 
 def seeds(store: Store, domain: Domain, key: str, priors: bool = False) -> list[Point]:
     """The admitted points to try first for workload ``key``, nearest first, each once."""
+    return [point for point, _ in seeds_by_origin(store, domain, key, priors)]
+
+
+def seeds_by_origin(store: Store, domain: Domain, key: str,
+                    priors: bool = False) -> list[tuple[Point, bool]]:
+    """``seeds``, each with whether only the priors name it (no elite of the store does)."""
     found: list[tuple[tuple[float, ...], int, int, Point]] = []
     for elite in store.elites(arch=domain.arch.name):
         if elite.workload_key == key or elite.rank > 2:
@@ -38,10 +44,11 @@ def seeds(store: Store, domain: Domain, key: str, priors: bool = False) -> list[
                    else (float(shipped.differ(prior.problem, domain.problem)), math.inf))
             found.append((far, PRIOR, 0, point))
     found.sort(key=lambda f: f[:3])  # stable: the store's and the file's order break ties
-    out: list[Point] = []
+    elites = [point for _, origin, _, point in found if origin == ELITE]
+    out: list[tuple[Point, bool]] = []
     for *_, point in found:
-        if point not in out:
-            out.append(point)
+        if all(point != seen for seen, _ in out):
+            out.append((point, point not in elites))
     return out
 
 
