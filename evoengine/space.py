@@ -18,6 +18,11 @@ A space is a TOML file under ``search_spaces/`` (see ``search_spaces/mma.toml``)
 - ``[derived]``: named expressions computed from the above, in order (shared memory, ...);
 - ``[[constraints]]``: a ``rule`` that must hold and ``why`` it must, so a rejected candidate
   says what it broke;
+- ``[[workload_rules]]``: like constraints, but they may also read the workload's runtime
+  facts (``KV_GROUP``: query heads per KV head), which no kernel compiles in. They never
+  reject a kernel, only a point that would do another point's work for one workload (packing
+  the heads of a group of one), so a search measures each kernel once; a ``Domain`` checks
+  them, compile-check and the offline sweeps do not;
 - ``[legacy]``: for a parameter added after points were measured, the value that builds the
   kernel as it was before the parameter existed. ``complete`` fills it into a stored point
   that lacks the parameter, so points measured before it stay valid, buildable and
@@ -40,16 +45,22 @@ import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from evoengine import paths
 from evoengine.arch import Arch, get_arch
 from evoengine.expr import Expr, ExprError
 from evoengine.workload import DEFAULT_KIND
 
+if TYPE_CHECKING:
+    from evoengine.problems.base import Workload
+
 _ARCH_NAMES = frozenset(("SM", "SMEM_LIMIT", "MAX_THREADS", "REGS_PER_SM"))
+# What a workload says of itself that [[workload_rules]] read (``workload_names``).
+_WORKLOAD_NAMES = frozenset(("KV_GROUP",))
 _FAMILY_NAME = re.compile(r"[a-z][a-z0-9_]*")
 _TOP_KEYS = {"family", "kind", "kinds", "description", "archs", "problem", "kind_problem",
-             "parameters", "derived", "constraints", "legacy", "untested"}
+             "parameters", "derived", "constraints", "workload_rules", "legacy", "untested"}
 
 
 def _in_domain(value: object, domain: tuple[object, ...]) -> bool:
@@ -82,6 +93,7 @@ class SearchSpace:
     kinds: tuple[str, ...] = ()  # every kind served, ``kind`` first; () is ``kind`` alone
     kind_problem: dict[str, dict[str, object]] = field(default_factory=dict)
     untested: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    workload_rules: tuple[Constraint, ...] = ()
 
     def with_untested(self) -> SearchSpace:
         """This space with its ``[untested]`` values admitted (after each domain's own)."""
@@ -179,16 +191,22 @@ class SearchSpace:
                 raise fail(f"derived.{name} shadows a parameter, problem or target name")
             derived[name] = cls._expr(text, known, fail, f"derived.{name}")
             known.add(name)
-        constraints = []
-        entries = data.get("constraints", [])
-        if not isinstance(entries, list):
-            raise fail("constraints must be an array of tables ([[constraints]])")
-        for i, c in enumerate(entries):
-            if not isinstance(c, dict) or set(c) != {"rule", "why"}:
-                raise fail(f"constraints[{i}] must have exactly 'rule' and 'why'")
-            if not isinstance(c["why"], str) or not c["why"].strip():
-                raise fail(f"constraints[{i}].why must be a sentence saying why")
-            constraints.append(Constraint(cls._expr(c["rule"], known, fail, c["rule"]), c["why"]))
+
+        def rules(section: str, names: set[str]) -> tuple[Constraint, ...]:
+            entries = data.get(section, [])
+            if not isinstance(entries, list):
+                raise fail(f"{section} must be an array of tables ([[{section}]])")
+            out = []
+            for i, c in enumerate(entries):
+                if not isinstance(c, dict) or set(c) != {"rule", "why"}:
+                    raise fail(f"{section}[{i}] must have exactly 'rule' and 'why'")
+                if not isinstance(c["why"], str) or not c["why"].strip():
+                    raise fail(f"{section}[{i}].why must be a sentence saying why")
+                out.append(Constraint(cls._expr(c["rule"], names, fail, c["rule"]), c["why"]))
+            return tuple(out)
+
+        constraints = rules("constraints", known)
+        workload_rules = rules("workload_rules", known | _WORKLOAD_NAMES)
         legacy = data.get("legacy", {})
         if not isinstance(legacy, dict):
             raise fail("[legacy] must be a table of parameter = value")
@@ -205,8 +223,8 @@ class SearchSpace:
             if both:
                 raise fail(f"untested.{name}: {both} already in its domain")
         return cls(family, str(data.get("description", "")), archs, problem, parameters,
-                   derived, tuple(constraints), path, str(kinds[0]), dict(legacy),
-                   tuple(kinds), kind_problem, untested)
+                   derived, constraints, path, str(kinds[0]), dict(legacy),
+                   tuple(kinds), kind_problem, untested, workload_rules)
 
     @staticmethod
     def _expr(text: object, known: set[str], fail, what: str) -> Expr:  # type: ignore[no-untyped-def]
@@ -265,6 +283,15 @@ class SearchSpace:
             return bad
         env = self.env(params, problem, arch)
         return [f"{c.why} ({c.rule.text})" for c in self.constraints if not c.rule(env)]
+
+    def workload_violations(self, params: Mapping[str, object], problem: Mapping[str, object],
+                            arch: Arch, workload: Mapping[str, object]) -> list[str]:
+        """The ``why`` of every ``[[workload_rules]]`` entry an admitted point breaks for a
+        workload whose runtime facts are ``workload`` (``workload_names``)."""
+        if not self.workload_rules:
+            return []
+        env = {**self.env(params, problem, arch), **workload}
+        return [f"{c.why} ({c.rule.text})" for c in self.workload_rules if not c.rule(env)]
 
     def problem_violations(self, problem: Mapping[str, object], arch: Arch) -> list[str]:
         """The ``why`` of every constraint that reads only problem and target names and rejects
@@ -326,6 +353,11 @@ class SearchSpace:
         for values in self.parameters.values():
             n *= len(values)
         return n
+
+
+def workload_names(workload: Workload) -> dict[str, object]:
+    """What ``workload`` says of itself that ``[[workload_rules]]`` read (``_WORKLOAD_NAMES``)."""
+    return {"KV_GROUP": workload.kv_group}
 
 
 def default_spaces(kind: str | None = DEFAULT_KIND) -> list[SearchSpace]:

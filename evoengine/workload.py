@@ -80,6 +80,11 @@ class Workload:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})  # type: ignore[arg-type]
 
+    @property
+    def kv_group(self) -> int:
+        """Query heads per KV head (1: MHA)."""
+        return self.heads // self.kv_heads
+
     def problem(self) -> dict[str, object]:
         """The dimensions compiled into a kernel: results across them are incomparable."""
         return {"HEAD_DIM": self.head_dim, "DTYPE": self.dtype, "CAUSAL": self.causal}

@@ -487,7 +487,42 @@ BAD_FILES = {
                                   "untested.BLOCK_M: [64] already in its domain"),
     "untested not a list": (TINY + "\n[untested]\nBLOCK_M = 128\n",
                             "untested.BLOCK_M must be a non-empty list"),
+    "constraint reads the workload": (edit("BYTES <= SMEM_LIMIT", "KV_GROUP > 0"),
+                                      "unknown names ['KV_GROUP']"),
+    "workload rule without why": (TINY + '\n[[workload_rules]]\nrule = "KV_GROUP > 1"\n',
+                                  "workload_rules[0] must have exactly 'rule' and 'why'"),
+    "workload rule of an unknown name": (TINY + '\n[[workload_rules]]\nrule = "SEQ > 1"\n'
+                                         'why = "x"\n', "unknown names ['SEQ']"),
+    "workload rules not an array": (edit('description = "tiny"\n',
+                                         'description = "tiny"\nworkload_rules = 1\n'),
+                                    "workload_rules must be an array of tables"),
 }
+
+
+GROUP_RULE = (TINY.replace("BLOCK_M = [32, 64]", "BLOCK_M = [32, 64]\nPACK = [false, true]")
+              + '\n[[workload_rules]]\nrule = "not PACK or KV_GROUP % 2 == 0"\n'
+                'why = "one head per token"\n')
+
+
+def test_workload_rules_drop_points_only_for_the_workload(tmp_path: Path) -> None:
+    """[[workload_rules]] read the workload's KV_GROUP: a domain for an MHA workload drops the
+    packed points (they would repeat the unpacked kernels' work) and reports why; a GQA
+    workload's keeps them; the space alone (compile-check) admits every point."""
+    from evoengine.search.domain import Domain
+    from evoengine.workload import Workload
+
+    space = SearchSpace.load(write(tmp_path, GROUP_RULE))
+    sm80, hd64 = get_arch("sm_80"), {"HEAD_DIM": 64}
+    assert len(space.admitted(hd64, sm80)) == 4
+    assert space.workload_violations({"BLOCK_M": 32, "PACK": True}, hd64, sm80,
+                                     {"KV_GROUP": 1}) == [
+        "one head per token (not PACK or KV_GROUP % 2 == 0)"]
+    for kv_heads, packed in ((8, []), (4, [True]), (1, [True])):
+        w = Workload.parse("1,8,256,64", kv_heads=kv_heads)
+        domain = Domain([space], w, sm80)
+        assert sorted({p["PACK"] for _, p in domain.all_points()}) == [False, *packed]
+        bad = domain.violations("mma", {"BLOCK_M": 32, "PACK": True})
+        assert bool(bad) is not bool(packed), (kv_heads, bad)
 
 
 def test_untested_values_are_admitted_only_when_asked(tmp_path: Path) -> None:

@@ -433,7 +433,7 @@ def test_heads_packed_per_token(group: int, heads: int) -> None:
 @pytest.mark.parametrize("problem", [{**HD64, "CAUSAL": True}, HD128,
                                      {**HD128, "VARLEN": True}])
 def test_packed_points_spill_no_more_than_unpacked(problem: dict) -> None:
-    """PACK_GQA (untested on a GPU) builds, with no local memory, at the tiles of the d64 and
+    """PACK_GQA builds, with no local memory, at the tiles of the d64 and
     d128 winners, ragged (VARLEN) too, and spills no more than the same point unpacked (some
     ragged 3-consumer points spill a few bytes in the producer either way)."""
     sp = space().with_untested()

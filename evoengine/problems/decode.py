@@ -128,6 +128,11 @@ class DecodeWorkload:
         return (f"{PREFIX}b{self.batch}-q{self.q_len}-h{self.q_heads}-kv{self.kv_heads}"
                 f"-d{self.head_dim}-c{self.cache_len}-{layout}-{self.dtype}")
 
+    @property
+    def kv_group(self) -> int:
+        """Query heads per KV head (1: MHA)."""
+        return self.q_heads // self.kv_heads
+
     def problem(self) -> dict[str, object]:
         """The dimensions compiled into a kernel: results across them are incomparable."""
         return {"HEAD_DIM": self.head_dim, "DTYPE": self.dtype, "PAGED": self.paged}

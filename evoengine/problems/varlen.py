@@ -166,6 +166,11 @@ class VarlenWorkload:
 
     # ---- the Workload contract -------------------------------------------------------------
 
+    @property
+    def kv_group(self) -> int:
+        """Query heads per KV head (1: MHA)."""
+        return self.heads // self.kv_heads
+
     def problem(self) -> dict[str, object]:
         """The dimensions compiled into a kernel: the forward's, and VARLEN."""
         return {"HEAD_DIM": self.head_dim, "DTYPE": self.dtype, "CAUSAL": self.causal,

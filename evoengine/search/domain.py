@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from evoengine.arch import Arch
 from evoengine.render import Candidate, make_candidate, make_identity
-from evoengine.space import SearchSpace
+from evoengine.space import SearchSpace, workload_names
 from evoengine.workload import Workload
 
 if TYPE_CHECKING:
@@ -35,13 +35,15 @@ class Domain:
         self.workload = workload
         self.arch = arch
         self.problem = workload.problem()
+        self.facts = workload_names(workload)
         self.spaces: dict[str, SearchSpace] = {}
         self.points: dict[str, list[dict[str, Any]]] = {}
         for space in spaces:
             if (not space.serves(workload.kind) or not space.supports(arch)
                     or space.family in self.spaces):
                 continue  # another problem's family, another target's, or named twice
-            admitted = space.admitted(self.problem, arch)
+            admitted = [p for p in space.admitted(self.problem, arch)
+                        if not space.workload_violations(p, self.problem, arch, self.facts)]
             if admitted:
                 self.spaces[space.family] = space
                 self.points[space.family] = admitted
@@ -79,7 +81,9 @@ class Domain:
     def violations(self, family: str, params: Mapping[str, Any]) -> list[str]:
         if family not in self.spaces:
             return [f"family {family!r} is not searched here ({', '.join(self.spaces)})"]
-        return self.spaces[family].violations(params, self.problem, self.arch)
+        space = self.spaces[family]
+        return (space.violations(params, self.problem, self.arch)
+                or space.workload_violations(params, self.problem, self.arch, self.facts))
 
     def candidate(self, family: str, params: Mapping[str, Any]) -> Candidate:
         """The buildable candidate; ``ValueError`` if the constraints reject the point."""
