@@ -45,15 +45,12 @@ import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from evoengine import paths
 from evoengine.arch import Arch, get_arch
 from evoengine.expr import Expr, ExprError
 from evoengine.workload import DEFAULT_KIND
-
-if TYPE_CHECKING:
-    from evoengine.problems.base import Workload
 
 _ARCH_NAMES = frozenset(("SM", "SMEM_LIMIT", "MAX_THREADS", "REGS_PER_SM"))
 # What a workload says of itself that [[workload_rules]] read (``workload_names``).
@@ -355,7 +352,12 @@ class SearchSpace:
         return n
 
 
-def workload_names(workload: Workload) -> dict[str, object]:
+class _Grouped(Protocol):  # every problem's workload (evoengine.problems.base.Workload)
+    @property
+    def kv_group(self) -> int: ...
+
+
+def workload_names(workload: _Grouped) -> dict[str, object]:
     """What ``workload`` says of itself that ``[[workload_rules]]`` read (``_WORKLOAD_NAMES``)."""
     return {"KV_GROUP": workload.kv_group}
 
