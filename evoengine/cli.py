@@ -333,7 +333,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     overrides = dict(heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                      dtype=args.dtype, causal=args.causal, max_seq=args.max_seq,
-                     min_seq=args.min_seq)
+                     min_seq=args.min_seq, latency_max_seq=args.latency_seq)
     if args.config is not None:
         geometry = geo.from_config(args.config, **overrides)
     else:
@@ -343,7 +343,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
             heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
             dtype=args.dtype or "bf16", causal=bool(args.causal),
             max_seq=args.max_seq or geo.DEFAULT_MAX_SEQ,
-            min_seq=args.min_seq or geo.LADDER_START)
+            min_seq=args.min_seq or geo.LADDER_START,
+            latency_max_seq=(geo.LATENCY_MAX_SEQ if args.latency_seq is None
+                             else args.latency_seq))
     name = args.name or (geo.default_name(args.config) if args.config else
                          f"h{geometry.heads}-kv{geometry.kv_heads}-d{geometry.head_dim}")
     if args.arch is not None:
@@ -613,6 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-seq", type=positive_int, metavar="N",
                    help="the prefill ladder's first length (default 256; it doubles from "
                    "there up to --max-seq)")
+    g.add_argument("--latency-seq", type=non_negative_int, metavar="N",
+                   help="also tune the forward for one sequence at each ladder length up to "
+                   "N (default 1024; 0: none): calls too small to fill the GPU")
     t.add_argument("--kinds", metavar="K,K",
                    help="problem kinds to tune, e.g. fwd or fwd,bwd (default: every kind the "
                    "model makes calls of: fwd,bwd,varlen and, for a decoder, decode)")

@@ -13,7 +13,14 @@ on a log ladder of lengths, each batched to about ``TOKENS_PER_CALL`` tokens:
 - batch ``max(1, TOKENS_PER_CALL // length)``: a call carries about 16K tokens, the size of
   a serving engine's prefill chunk or a training micro-batch, so short sequences come
   batched (256: batch 64) and long ones alone (16K: batch 1). The time per call is then
-  roughly proportional to the length, as it is in the model.
+  roughly proportional to the length, as it is in the model;
+- the forward's **latency calls**: one sequence at each ladder length up to
+  ``LATENCY_MAX_SEQ`` (``--latency-seq``; 0: none) whose ladder call is batched. Such a call
+  has too few query rows to fill a GPU of ~100 SMs a few times over, so the tile that wins
+  at 16K tokens (192 rows, long causal rows per block) can leave SMs idle there; the
+  exported dispatch sends a call at those lengths to the entry tuned nearest its
+  batch x heads (``launch.dispatch.nearest``), so calls of a few sequences get these
+  entries, larger ones the ladder's.
 
 Contract: ``from_config`` and ``ModelGeometry`` raise a one-line ``ValueError`` naming the
 field or flag for bad input; nothing here touches a GPU or the network.
@@ -32,6 +39,7 @@ from evoengine.workload import DTYPES
 LADDER_START = 256
 TOKENS_PER_CALL = 16384
 DEFAULT_MAX_SEQ = 16384
+LATENCY_MAX_SEQ = 1024
 
 # torch_dtype / dtype values of configs -> the dtype a kernel is tuned in.
 _DTYPES = {"float16": "fp16", "half": "fp16", "fp16": "fp16",
@@ -57,6 +65,7 @@ class ModelGeometry:
     causal: bool = True
     max_seq: int = DEFAULT_MAX_SEQ
     min_seq: int = LADDER_START  # the ladder's first rung (--min-seq)
+    latency_max_seq: int = LATENCY_MAX_SEQ  # latency calls up to this length (0: none)
     name: str = ""
     notes: tuple[str, ...] = field(default=(), compare=False)
 
@@ -68,6 +77,10 @@ class ModelGeometry:
                             ("min seq", self.min_seq)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{what} must be a positive integer, got {value!r}")
+        if (isinstance(self.latency_max_seq, bool) or not isinstance(self.latency_max_seq, int)
+                or self.latency_max_seq < 0):
+            raise ValueError("latency seq must be a non-negative integer (0: no latency "
+                             f"calls), got {self.latency_max_seq!r}")
         if self.heads % self.kv_heads:  # type: ignore[operator]
             raise ValueError(f"query heads ({self.heads}) must be a multiple of key/value "
                              f"heads ({self.kv_heads})")
@@ -102,6 +115,17 @@ class ModelGeometry:
                  "seq_q": s, "seq_k": s, "head_dim": self.head_dim, "causal": self.causal,
                  "dtype": self.dtype} for s in self.prefill_lengths()]
 
+    def latency_calls(self) -> list[dict[str, Any]]:
+        """One sequence at each ladder length up to ``latency_max_seq`` whose ladder call is
+        batched (module docstring), as ``prefill_calls`` gives calls."""
+        return [{**call, "batch": 1} for call in self.prefill_calls()
+                if call["batch"] > 1 and call["seq_q"] <= self.latency_max_seq]
+
+    def is_latency_call(self, batch: int, seq: int) -> bool:
+        """Whether a call of ``batch`` sequences of ``seq`` tokens is one of
+        ``latency_calls`` (not the ladder's call at that length)."""
+        return batch == 1 and self.batch_for(seq) > 1 and seq <= self.latency_max_seq
+
 
 def default_name(path: str | Path) -> str:
     """A tune's default name for a config file: its stem, or its folder's name where the
@@ -116,7 +140,7 @@ def default_name(path: str | Path) -> str:
 
 
 def from_config(path: str | Path, *, max_seq: int | None = None, min_seq: int | None = None,
-                dtype: str | None = None,
+                latency_max_seq: int | None = None, dtype: str | None = None,
                 causal: bool | None = None, heads: int | None = None,
                 kv_heads: int | None = None, head_dim: int | None = None) -> ModelGeometry:
     """The geometry of the Transformers config at ``path``; the keywords, where given,
@@ -137,11 +161,12 @@ def from_config(path: str | Path, *, max_seq: int | None = None, min_seq: int | 
         raise ValueError(f"{p} is not a Transformers config (a JSON object)")
     return geometry_of(data, where=str(p), max_seq=max_seq, dtype=dtype, causal=causal,
                        heads=heads, kv_heads=kv_heads, head_dim=head_dim, min_seq=min_seq,
-                       name=default_name(p))
+                       latency_max_seq=latency_max_seq, name=default_name(p))
 
 
 def geometry_of(config: Mapping[str, Any], *, where: str = "the config",
                 max_seq: int | None = None, min_seq: int | None = None,
+                latency_max_seq: int | None = None,
                 dtype: str | None = None, causal: bool | None = None,
                 heads: int | None = None, kv_heads: int | None = None,
                 head_dim: int | None = None, name: str = "") -> ModelGeometry:
@@ -187,8 +212,10 @@ def geometry_of(config: Mapping[str, Any], *, where: str = "the config",
         longest = cap
     return ModelGeometry(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                          causal=causal, max_seq=longest,
-                         min_seq=LADDER_START if min_seq is None else min_seq, name=name,
-                         notes=tuple(notes))
+                         min_seq=LADDER_START if min_seq is None else min_seq,
+                         latency_max_seq=(LATENCY_MAX_SEQ if latency_max_seq is None
+                                          else latency_max_seq),
+                         name=name, notes=tuple(notes))
 
 
 def _first(cfg: Mapping[str, Any], *names: str) -> Any:

@@ -359,10 +359,15 @@ def tune(tp: TunePlan, *, store: str | None = None, output: str | Path | None = 
             return result
     for kind in tp.crossed:
         rungs = [p.workload for p in tp.parts if p.kind == kind]
+        # the ladder's rungs and the latency calls are two series: each rung's neighbours
+        # are of its own (a latency call's elites are no candidates for a 16K-token call)
+        series = [tp.geometry.is_latency_call(getattr(w, "batch", 0), getattr(w, "seq_q", 0))
+                  for w in rungs]
         try:
             result.cells += cross.cross_retime(
                 store, tp.arch, rungs, spaces_for(kind, spaces), tune=tp.name,
-                evaluator=cross_evaluator or _gpu_evaluator(options), stream=stream)
+                evaluator=cross_evaluator or _gpu_evaluator(options), stream=stream,
+                series=series)
         except KeyboardInterrupt:
             result.status = "interrupted"
             return result

@@ -133,3 +133,28 @@ def test_each_call_carries_about_16k_tokens() -> None:
     assert ModelGeometry.batch_for(100_000) == 1
     assert {(c["heads"], c["kv_heads"], c["head_dim"], c["causal"], c["dtype"])
             for c in calls} == {(8, 2, 64, False, "fp16")}
+
+
+@pytest.mark.parametrize(("min_seq", "max_seq", "latency", "lengths"), [
+    (256, 16384, 1024, [256, 512, 1024]),
+    (256, 16384, 0, []),
+    (256, 16384, 700, [256, 512]),
+    (300, 16384, 1024, [300, 600]),
+    (8192, 16384, 16384, [8192]),  # 16384 is one sequence already: the ladder's own call
+    (256, 512, 1024, [256, 512]),
+])
+def test_latency_calls_are_one_sequence_at_the_short_rungs(min_seq: int, max_seq: int,
+                                                           latency: int,
+                                                           lengths: list[int]) -> None:
+    g = ModelGeometry(heads=8, head_dim=64, max_seq=max_seq, min_seq=min_seq,
+                      latency_max_seq=latency)
+    calls = g.latency_calls()
+    assert [c["seq_q"] for c in calls] == lengths and {c["batch"] for c in calls} <= {1}
+    assert all(g.is_latency_call(1, n) for n in lengths)
+    assert not any(g.is_latency_call(c["batch"], c["seq_q"]) for c in g.prefill_calls())
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1024"])
+def test_a_bad_latency_length_is_one_line(bad: object) -> None:
+    with pytest.raises(ValueError, match="latency seq must be a non-negative integer"):
+        ModelGeometry(heads=8, head_dim=64, latency_max_seq=bad)  # type: ignore[arg-type]

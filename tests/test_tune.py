@@ -25,17 +25,18 @@ from evoengine.cli import main
 from evoengine.compile import CompileResult
 from evoengine.export import import_module_file as import_path
 from evoengine.geometry import ModelGeometry
+from evoengine.launch.dispatch import nearest
 from evoengine.problems import PROBLEMS, problem
 from evoengine.problems.backward import Backward
 from evoengine.render import Candidate
-from evoengine.search import Progress, SearchConfig, SearchResult, Tally, search
+from evoengine.search import Progress, SearchConfig, SearchResult, Tally, cross, search
 from evoengine.search.evaluator import DeviceInfo, Evaluation
 from evoengine.store import Store
 from tests.test_search import SM90, FakeEvaluator, stub_compile
 
 MMA = [str(paths.SPACES / "mma.toml")]
 TINY = ModelGeometry(heads=4, kv_heads=2, head_dim=64, dtype="fp16", causal=True,
-                     max_seq=1024, min_seq=512, name="tiny")
+                     max_seq=1024, min_seq=512, latency_max_seq=0, name="tiny")
 
 
 def any_time(params: dict[str, Any]) -> float:
@@ -468,9 +469,19 @@ def test_dry_run_prints_the_plan_from_a_config(tmp_path: Path,
     assert "tune Tiny-LM on sm_90a: 8 query heads, 2 key/value heads, head dim 64, bf16, " \
            "causal, up to 2048 tokens" in out
     assert "note: torch_dtype float32 -> bf16" in out
-    assert "8 workloads (fwd, bwd), 720 s split equal" in out
+    # the forward's ladder 256..2048 and its latency calls (one sequence, 256..1024); bwd's ladder
+    assert "11 workloads (fwd, bwd), 720 s split equal" in out
     assert "Tiny-LM/sm_90a-b64-h8-kv2-sq256-sk256-d64-causal-bf16" in out
+    assert "Tiny-LM/sm_90a-b1-h8-kv2-sq1024-sk1024-d64-causal-bf16" in out
     assert "Tiny-LM/sm_90a-bwd-b8-h8-kv2-sq2048-sk2048-d64-causal-bf16" in out
+    assert "sm_90a-bwd-b1-" not in out
+    assert main(["tune", str(folder / "config.json"), "--dry-run", "--arch", "sm_90a",
+                 "--kinds", "fwd", "--latency-seq", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "4 workloads (fwd)" in out and "-b1-" not in out
+    assert main(["tune", str(folder / "config.json"), "--dry-run", "--arch", "sm_90a",
+                 "--kinds", "fwd", "--latency-seq", "512"]) == 0
+    assert "6 workloads (fwd)" in capsys.readouterr().out
 
 
 def test_a_model_folder_names_its_config_and_the_tune(tmp_path: Path,
@@ -514,14 +525,20 @@ def test_the_command_tunes_resumes_and_exports(tmp_path: Path,
             "--store", str(tmp_path / "evo.db"), "-o", str(tmp_path / "tiny.py")]
     assert main(argv) == 0
     out, err = capsys.readouterr()
-    assert "tune Tiny-LM (done): 2 workloads searched now, 0 finished before, of 2" in out
-    assert re.search(r"wrote \S+tiny.py: \d+ kernels for sm_90a, 8 dispatch entries", out), out
-    assert "[2/2 fwd b16-h4-kv2-sq1024-sk1024-d64-causal-fp16] study Tiny-LM/sm_90a-" in err
+    # the ladder (512 x 32, 1024 x 16), then its latency calls (one sequence of each)
+    assert "tune Tiny-LM (done): 4 workloads searched now, 0 finished before, of 4" in out
+    assert re.search(r"wrote \S+tiny.py: \d+ kernels for sm_90a, 16 dispatch entries", out), out
+    assert "[2/4 fwd b16-h4-kv2-sq1024-sk1024-d64-causal-fp16] study Tiny-LM/sm_90a-" in err
+    assert "[4/4 fwd b1-h4-kv2-sq1024-sk1024-d64-causal-fp16] study Tiny-LM/sm_90a-" in err
+    assert err.count("[cross ") == 4, err
     module = import_path(tmp_path / "tiny.py", "tiny_cli_under_test")
     assert set(module.attention.table) == {(d, 64, c) for d in ("fp16", "bf16")
                                            for c in (False, True)}
+    group = module.attention.table[("fp16", 64, True)]
+    # a call of one or two sequences gets the latency entry at its length, of 16 the ladder's
+    assert [(nearest(group, 700, 700, b * 4).batch) for b in (1, 2, 16)] == [1, 1, 32]
     assert main(argv) == 0
-    assert "0 workloads searched now, 2 finished before, of 2" in capsys.readouterr().out
+    assert "0 workloads searched now, 4 finished before, of 4" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -565,3 +582,24 @@ def test_a_tune_of_the_serving_kinds_exports_them(tmp_path: Path,
     assert main(["report", "--store", store_url(tmp_path), "-o", str(tmp_path / "r.html")]) == 0
     page = (tmp_path / "r.html").read_text()
     assert page.count("<th>GB/s</th>") == 2 and page.count("<th>TFLOPS</th>") == 1
+
+
+def test_the_ladder_and_the_latency_calls_are_two_series_for_the_cross_retime() -> None:
+    """A rung's neighbours are the nearest rungs either side of its own series, so a latency
+    call's elites (one sequence) are never candidates for the ladder's 16K-token calls."""
+    assert cross.neighbours([0, 0, 0], 1) == [1, 0, 2]
+    series = [False, False, False, True, True]  # ladder 256, 512, 1024; latency 256, 512
+    assert [cross.neighbours(series, i) for i in range(5)] == [
+        [0, 1], [1, 0, 2], [2, 1], [3, 4], [4, 3]]
+    g = replace(TINY, min_seq=256, max_seq=2048, latency_max_seq=1024)
+    tp = tune.plan(g, SM90, name="t", kinds=("fwd",), timeout_s=600)
+    shapes = [(p.workload.batch, p.workload.seq_q) for p in tp.parts]
+    assert shapes == [(64, 256), (32, 512), (16, 1024), (8, 2048), (1, 256), (1, 512), (1, 1024)]
+    assert [g.is_latency_call(b, s) for b, s in shapes] == [False] * 4 + [True] * 3
+    def cell(i: int) -> list[str]:
+        return [w.key().removesuffix("-d64-causal-fp16")
+                for w in problem("fwd").cell_workloads(tp.parts[i].workload)]
+    assert cell(5) == ["b1-h4-kv2-sq431-sk431", "b4-h4-kv2-sq431-sk431",
+                       "b1-h4-kv2-sq609-sk609", "b4-h4-kv2-sq609-sk609"]
+    assert cell(1) == ["b38-h4-kv2-sq431-sk431", "b10-h4-kv2-sq431-sk431",
+                       "b27-h4-kv2-sq609-sk609", "b7-h4-kv2-sq609-sk609"]

@@ -17,11 +17,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from evoengine.problems.base import Problem
 from evoengine.problems.forward import Forward
 from evoengine.workload import Workload
 
 if TYPE_CHECKING:
     from evoengine.compile import CompileResult
+    from evoengine.geometry import ModelGeometry
     from evoengine.measure import Timing
     from evoengine.render import Candidate
     from evoengine.validate import Verdict
@@ -77,6 +79,11 @@ class Backward(Forward):
 
     def workload_from_arguments(self, args: argparse.Namespace) -> BackwardWorkload:
         return BackwardWorkload.of(super().workload_from_arguments(args))
+
+    def tune_workloads(self, geometry: ModelGeometry) -> list[Workload]:
+        """The prefill ladder alone: a training step's calls come batched (no latency
+        calls, which are the forward's)."""
+        return Problem.tune_workloads(self, geometry)
 
     def load(self, candidate: Candidate, compiled: CompileResult) -> Any:
         import torch

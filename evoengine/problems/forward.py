@@ -14,11 +14,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from evoengine.argtypes import positive_int
+from evoengine.geometry import TOKENS_PER_CALL
 from evoengine.problems.base import Problem, TimedCall
 from evoengine.workload import DTYPES, Workload
 
 if TYPE_CHECKING:
     from evoengine.compile import CompileResult
+    from evoengine.geometry import ModelGeometry
     from evoengine.measure import Timing
     from evoengine.render import Candidate
     from evoengine.validate import Verdict
@@ -59,19 +61,29 @@ class Forward(Problem):
         return Workload.parse(args.shape, kv_heads=args.kv_heads, seq_k=args.seq_k,
                               causal=args.causal, dtype=args.dtype)
 
+    def tune_workloads(self, geometry: ModelGeometry) -> list[Workload]:
+        """The prefill ladder, then its latency calls (one sequence at the short lengths:
+        ``ModelGeometry.latency_calls``), which the exported dispatch gives calls of a few
+        sequences."""
+        calls = [*geometry.prefill_calls(), *geometry.latency_calls()]
+        return [self.workload_from_dict(call) for call in calls]
+
     def cell_workloads(self, workload: Any) -> list[Workload]:
         """A quarter octave below and above the workload's lengths (the middle of each half
         of the cell [S/sqrt 2, S sqrt 2] the exported module's nearest-length dispatch gives
         its entry), odd so that no tile divides them, each at about the workload's tokens
-        per call and at a quarter of them: the dispatch reads no batch, so an entry serves
-        small batches as well as the one it was tuned at."""
+        per call and at a quarter of them: an entry serves smaller batches than the one it
+        was tuned at. A single sequence under a quarter of a ladder call's tokens (a latency
+        call) takes 4 sequences instead of a quarter: its entry serves calls of a few."""
         out = []
         for step in (-0.25, 0.25):
             f = 2.0 ** step
             seq_q = max(1, round(workload.seq_q * f)) | 1
             seq_k = max(seq_q if workload.causal else 1, round(workload.seq_k * f) | 1)
             batch = max(1, round(workload.batch * workload.seq_q / seq_q))
-            for b in dict.fromkeys((batch, max(1, round(batch / 4)))):
+            few = (4 if workload.batch == 1 and 4 * workload.seq_q <= TOKENS_PER_CALL
+                   else max(1, round(batch / 4)))
+            for b in dict.fromkeys((batch, few)):
                 out.append(dataclasses.replace(workload, batch=b, seq_q=seq_q, seq_k=seq_k))
         return out
 

@@ -7,7 +7,8 @@ An exported module serves a call with the entry tuned nearest its lengths
 points on the rung alone, and a short one can end on a point that is fast there and slow a
 little way off (on the H100 a 100 s search's rank 1 at 16 x 1024 ran 11 x 1225 at 0.96x
 cuDNN). ``cross_retime`` therefore takes, for each rung of one kind, the best
-``PER_RUNG`` elites of the rung and of the rungs either side, times them all interleaved on
+``PER_RUNG`` elites of the rung and of the rungs either side in its series (a tune's
+ladder, or its latency calls: ``geometry.ModelGeometry``), times them all interleaved on
 the rung and on its cell's off-ladder workloads (``Problem.cell_workloads``: a quarter octave
 below and above, odd lengths, at the rung's tokens and a quarter of them), next to the
 problem's anchors as a search's final re-time
@@ -81,16 +82,23 @@ def is_cross_study(study: str) -> bool:
     return "/cross/" in study
 
 
-def candidates_for(store: Store, arch: Arch, rungs: Sequence[Workload], i: int
-                   ) -> list[str]:
+def neighbours(series: Sequence[object], i: int) -> list[int]:
+    """Rung ``i``, then the nearest rung before it and after it in the same series
+    (``series[j]``: rung ``j``'s)."""
+    same = [j for j, s in enumerate(series) if s == series[i]]
+    k = same.index(i)
+    return [i, *same[max(0, k - 1):k], *same[k + 1:k + 2]]
+
+
+def candidates_for(store: Store, arch: Arch, rungs: Sequence[Workload], i: int,
+                   series: Sequence[object] | None = None) -> list[str]:
     """Identities to time for rung ``i``: the best ``PER_RUNG`` elites of it, then of the
-    rung before and the rung after, each once."""
+    rung before and the rung after in its series (default: one series), each once."""
     out: list[str] = []
-    for j in (i, i - 1, i + 1):
-        if 0 <= j < len(rungs):
-            for e in store.elites(arch=arch.name, workload_key=rungs[j].key())[:PER_RUNG]:
-                if e.identity not in out:
-                    out.append(e.identity)
+    for j in neighbours(series or [0] * len(rungs), i):
+        for e in store.elites(arch=arch.name, workload_key=rungs[j].key())[:PER_RUNG]:
+            if e.identity not in out:
+                out.append(e.identity)
     return out
 
 
@@ -99,10 +107,13 @@ def cross_retime(store_url: str | None, arch: Arch, rungs: Sequence[Workload],
                  evaluator: Callable[[Workload], Evaluator],
                  compile_fn: Callable[[Candidate, str], CompileResult] = compile_candidate,
                  rounds: int = CROSS_ROUNDS, stream: TextIO | None = None,
-                 ) -> list[CellOutcome]:
+                 series: Sequence[object] | None = None) -> list[CellOutcome]:
     """Choose the entry of each of ``rungs`` (one kind's tuned workloads, in ladder order:
-    each rung's neighbours are the ones either side); see the module docstring.
-    ``evaluator(first workload)`` gives the (unstarted) evaluator that times them all."""
+    each rung's neighbours are the ones either side of the same ``series`` label, default
+    one series); see the module docstring. ``evaluator(first workload)`` gives the
+    (unstarted) evaluator that times them all."""
+    if series is not None and len(series) != len(rungs):
+        raise ValueError(f"{len(series)} series labels for {len(rungs)} rungs")
     outcomes: list[CellOutcome] = []
     if not rungs:
         return outcomes
@@ -123,8 +134,8 @@ def cross_retime(store_url: str | None, arch: Arch, rungs: Sequence[Workload],
                     outcomes.append(CellOutcome(rung, "skipped"))
                     _say(stream, f"[{where}] finished before: skipped")
                     continue
-                entries = _entries(store, domain, candidates_for(store, arch, rungs, i),
-                                   compile_fn)
+                entries = _entries(store, domain,
+                                   candidates_for(store, arch, rungs, i, series), compile_fn)
                 own = next((e.identity for e in store.elites(arch=arch.name,
                                                              workload_key=rung.key())), None)
                 if len(entries) < 2 or not cells[i]:
