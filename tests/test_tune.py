@@ -231,8 +231,19 @@ def test_a_module_path_that_cannot_be_written_is_refused_before_searching(
                       stream=io.StringIO())
 
 
+@pytest.mark.parametrize(("spend", "expected"), [
+    # each search runs 20 s past its budget (its final re-time): the first one's overrun is
+    # kept back from the two after it, and the tune ends at its deadline
+    (lambda budget: budget + 20, [100.0, 70.0, 70.0]),
+    # each runs twice its budget: no share goes below the floor; the last takes what is left
+    # less the mean overrun so far ((100 + 10) / 2)
+    (lambda budget: 2 * budget, [100.0, tune.MIN_SHARE_S, 25.0]),
+    # on time: equal shares of what is left
+    (lambda budget: budget, [100.0, 100.0, 100.0]),
+])
 def test_each_workload_gets_its_share_of_what_is_left(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      spend: Any, expected: list[float]) -> None:
     clock = Clock()
     monkeypatch.setattr(tune.time, "monotonic", clock)
     g = replace(TINY, max_seq=2048)  # three rungs
@@ -241,7 +252,7 @@ def test_each_workload_gets_its_share_of_what_is_left(tmp_path: Path,
 
     def searcher(config: SearchConfig, progress: Progress) -> SearchResult:
         budgets.append(config.timeout_s)
-        clock.now += 2 * (config.timeout_s or 0)  # overruns its share twice over
+        clock.now += spend(config.timeout_s or 0)
         store = Store(config.store)
         run = store.start_run(arch=SM90.name, workload=config.workload.to_dict(),
                               workload_key=config.workload.key(), device="fake",
@@ -251,9 +262,12 @@ def test_each_workload_gets_its_share_of_what_is_left(tmp_path: Path,
         return SearchResult(run, config.study or "", SM90.name, config.workload,
                             DeviceInfo("fake", (9, 0), "0", {}), Tally(), "done")
 
+    start = clock.now
     result = tune.tune(tp, store=store_url(tmp_path), searcher=searcher, stream=io.StringIO())
     assert result.status == "done"
-    assert budgets == pytest.approx([100.0, 50.0, tune.MIN_SHARE_S])
+    assert budgets == pytest.approx(expected)
+    if expected[0] == 100.0 and expected[1] == 70.0:
+        assert clock.now - start == pytest.approx(300.0)
 
 
 @pytest.fixture(scope="module")
