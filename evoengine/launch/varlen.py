@@ -28,12 +28,14 @@ from evoengine.launch.core import (
     check_grid_dims,
     check_shared,
     check_tensor,
+    in_context,
     launch_in_context,
     raw_stream,
     rows_aligned,
     sdpa_attention,
     sm_count,
     softmax_scale,
+    zero_int32,
 )
 from evoengine.launch.forward import CudaKernel
 from evoengine.launch.tma import TMA_ARG_OFFSETS, tma_grid
@@ -219,16 +221,16 @@ class CudaVarlenKernel(CudaKernel):
         maps = (q_map,
                 self._tensor_map(k.unsqueeze(0).transpose(1, 2), self.tma.block_n),
                 self._tensor_map(v.unsqueeze(0).transpose(1, 2), self.tma.block_n))
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.tma.dynamic else None
-        with self._lock:
+        with self._lock:  # the argument buffer and the counters: one launch at a time
+            counter = self._counter(q.device, stream) if self.tma.dynamic else 0
             _TMA_VARLEN_ARGS.pack_into(
                 self._args, 0, *maps, out.data_ptr(), lse_ptr, max_seqlen_q, max_seqlen_k,
-                heads, group, tiles, 0, os_[1], os_[0], scale * LOG2E,
-                0 if counter is None else counter.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
-                q.shape[0])
+                heads, group, tiles, 0, os_[1], os_[0], scale * LOG2E, counter,
+                cu_q.data_ptr(), cu_k.data_ptr(), q.shape[0])
+            if counter:  # zeroed on this stream right before the launch (as the forward's)
+                in_context(loaded, zero_int32, counter, stream)
             launch_in_context(loaded, (loaded.fn, grid, 1, 1, self.threads, 1, 1,
                                         self.smem_bytes, stream, self._argv_ptr, 0))
-        del counter  # only now: the launch has read its address
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor,  # type: ignore[override]
                  cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,

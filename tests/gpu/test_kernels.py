@@ -214,7 +214,7 @@ def test_wgmma_one_key_dominates_a_later_block(causal: bool, idx: int, dtype: st
     assert verdict.ok, f"{kernel.candidate.identity}: {verdict.reason}"
 
 
-# PACK_GQA ([untested] until this passes): P query heads of a KV head per token in a tile's
+# PACK_GQA: P query heads of a KV head per token in a tile's
 # rows, P the lowest set bit of the group (at most 64): one, two and three consumers, P
 # through shared memory, the dynamic scheduler.
 PACKED = [

@@ -86,7 +86,7 @@ def test_ragged_batches_pass_the_criterion(family: str, causal: bool) -> None:
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_packed_gqa_ragged_batches(causal: bool) -> None:
-    """PACK_GQA ([untested] until this passes) on ragged batches: groups of 4, 32 and 3."""
+    """PACK_GQA on ragged batches: groups of 4, 32 and 3."""
     if "wgmma" not in families():
         pytest.skip("wgmma needs sm_90a")
     sp = SearchSpace.load(paths.SPACES / "wgmma.toml").with_untested()
@@ -101,6 +101,49 @@ def test_packed_gqa_ragged_batches(causal: bool) -> None:
                                       head_dim=128, causal=causal, dtype=torch.float16,
                                       strided=strided)
             assert v.ok, f"{kernel.name} H{heads}/{kv} strided={strided}: {v.reason}"
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_dynamic_counter_is_fresh_per_launch(pack: bool) -> None:
+    """The ragged kernel's tile counter is the launcher's, zeroed per launch on the launch's
+    stream, as the forward's: launches back to back, on two streams at once and replayed from
+    a CUDA graph all cover every tile, bit for bit like the first (which passes the
+    criterion). 24 sequences up to 2K tokens: many tiles per SM."""
+    if "wgmma" not in families():
+        pytest.skip("wgmma needs sm_90a")
+    point = wgmma_point(PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic", PACK_GQA=pack)
+    (kernel,) = kernels(varlen_candidates("wgmma", [point], causal=True, dtype="bf16"))
+    lengths, _ = parse_seqlens("random:24:64:2048:1")
+    v = validate.check_varlen(kernel, seqlens=lengths, heads=32, kv_heads=8, head_dim=128,
+                              causal=True, dtype=torch.bfloat16)
+    assert v.ok, f"{kernel.name}: {v.reason}"
+    w = VarlenWorkload(lengths, heads=32, kv_heads=8, head_dim=128, causal=True, dtype="bf16")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v_ = (torch.randn(total, h, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+                for total, h in ((w.total_q, 32), (w.total_k, 8), (w.total_k, 8)))
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device="cuda") for c in w.cu_seqlens())
+    args = (q, k, v_, cu_q, cu_k, w.max_seqlen_q, w.max_seqlen_k)
+    first = kernel(*args)
+    for _ in range(3):
+        assert torch.equal(kernel(*args), first)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = [torch.full_like(first, float("nan")) for _ in streams]
+    torch.cuda.synchronize()
+    for stream, out in zip(streams, outs, strict=True):
+        with torch.cuda.stream(stream):
+            kernel(*args, out=out, check=False)
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, first) for out in outs)
+    graph_out = torch.full_like(first, float("nan"))
+    kernel(*args, out=graph_out, check=False)  # warm before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel(*args, out=graph_out, check=False)
+    for _ in range(2):
+        graph_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out, first)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
