@@ -66,6 +66,10 @@ MIN_SHARE_S = 10.0
 DEFAULT_TIMEOUT_S = 30 * 60.0
 # The part of --timeout kept for the cross re-time (evoengine.search.cross) when it runs.
 CROSS_SHARE = 0.1
+# The rounds of a crossed kind's searches' own final re-time: the cross re-time times each
+# rung's best again, with the anchors, on the rung and its cell, so the searches' re-time
+# only orders their elites (a search's own default is 5 rounds).
+CROSSED_FINAL_ROUNDS = 2
 
 # (config, progress) -> result: ``search`` by default; tests and replays pass their own.
 Searcher = Callable[[SearchConfig, Progress], SearchResult]
@@ -345,9 +349,12 @@ def tune(tp: TunePlan, *, store: str | None = None, output: str | Path | None = 
         print(f"[{where}] study {part.study}: "
               + (f"{budget:.0f} s" if budget is not None else f"{tp.trials} trials"),
               file=stream)
+        settings = dict(options or {})
+        if part.kind in tp.crossed:
+            settings.setdefault("final_rounds", CROSSED_FINAL_ROUNDS)
         config = SearchConfig(workload=part.workload, spaces=spaces_for(part.kind, spaces),
                               arch=tp.arch, store=store, study=part.study, trials=tp.trials,
-                              timeout_s=budget, **(options or {}))
+                              timeout_s=budget, **settings)
         rate = problem_of(part.workload).rate(part.workload)
         progress = TuneProgress(rate, position=where, deadline=deadline,
                                 stream=stream, quiet=quiet)

@@ -617,3 +617,29 @@ def test_the_ladder_and_the_latency_calls_are_two_series_for_the_cross_retime() 
                        "b1-h4-kv2-sq609-sk609", "b4-h4-kv2-sq609-sk609"]
     assert cell(1) == ["b38-h4-kv2-sq431-sk431", "b10-h4-kv2-sq431-sk431",
                        "b27-h4-kv2-sq609-sk609", "b7-h4-kv2-sq609-sk609"]
+
+
+@pytest.mark.parametrize("cross", [True, False])
+def test_crossed_searches_re_time_their_elites_in_fewer_rounds(tmp_path: Path,
+                                                               cross: bool) -> None:
+    """Where the cross re-time follows (it times each rung's best again, on its cell), each
+    search's own re-time only orders its elites: 2 rounds; without it, the search's 5. An
+    option the caller gives wins."""
+    from evoengine.search.loop import FINAL_ROUNDS
+
+    seen: list[int] = []
+
+    def searcher(config: SearchConfig, progress: Progress) -> SearchResult:
+        seen.append(config.final_rounds)
+        return fake_search()(config, progress)
+
+    tp = tune.plan(TINY, SM90, name="rounds", kinds=("fwd",), trials=2, spaces=MMA,
+                   cross=cross)
+    tune.tune(tp, store=store_url(tmp_path), searcher=searcher, stream=io.StringIO(),
+              spaces=MMA)
+    assert seen == [tune.CROSSED_FINAL_ROUNDS if cross else FINAL_ROUNDS] * 2
+    tp = tune.plan(TINY, SM90, name="asked", kinds=("fwd",), trials=2, spaces=MMA)
+    seen.clear()
+    tune.tune(tp, store=store_url(tmp_path), searcher=searcher, stream=io.StringIO(),
+              spaces=MMA, options={"final_rounds": 7})
+    assert seen == [7, 7]
