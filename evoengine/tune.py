@@ -329,9 +329,9 @@ def tune(tp: TunePlan, *, store: str | None = None, output: str | Path | None = 
     finished = finished_studies(store)
     n = len(tp.parts)
     # How far each search has run past its budget: it re-times its elites with the anchors
-    # after its timeout and starts its workers before it, ~15-25 s on the H100 whatever the
-    # budget. The mean is kept back from every part still to run, so a tune of many short
-    # parts ends near its deadline instead of one overrun per part past it.
+    # after its timeout and starts its workers before it (19-30 s each in a 6-minute Llama
+    # tune on the H100, whatever the budget). The mean is kept back from every part still to
+    # run, so a tune of many short parts ends near its deadline, not one overrun per part past.
     overruns: list[float] = []
     for i, part in enumerate(tp.parts, start=1):
         where = f"{i}/{n} {part.kind} {part.workload.key()}"
