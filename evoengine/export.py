@@ -438,8 +438,9 @@ def _header(specs: list[dict[str, Any]], entries: list[Entry], prov: dict[str, A
     for r in prov["runs"]:
         lines.append(f"run {r['id']:<5} {r['started']}  {r['device'] or 'device unknown'}, "
                      f"commit {r['commit'] or 'unknown'}, study {r['study'] or '-'}")
-    lines += ["", "Dispatch: the kernel tuned at the nearest (seq_q, seq_k), in log scale; "
-              "median us as", "measured by the search on the run's device:"]
+    lines += ["", "Dispatch: the kernel tuned at the nearest (seq_q, seq_k), in log scale, then "
+              "the nearest", "batch x heads among those; median us as measured by the search "
+              "on the run's device:"]
     lines += ["Forward:", *_dispatch_lines(specs, entries, "fwd"), "Backward:",
               *(_dispatch_lines(specs, entries, "bwd") or ["  none"]),
               "Ragged batches (attention_varlen; lengths are the workload's longest):",
