@@ -31,13 +31,17 @@ POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_AC
 PROBLEM = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True)
 WGMMA_POINT = dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
                    DQ_REDUCE="bulk", REFILL="dq", LOADER="cp_async", DQ_WRITER="consumer",
-                   DQ_BUFFERS=1, ROWS_EARLY=False, DQ_LAYOUT="rows")
+                   DQ_BUFFERS=1, ROWS_EARLY=False, DQ_LAYOUT="rows", DQ_TRANSPOSED=False)
 # The ring loaded by a TMA producer warpgroup (FlashAttention-3's d128 tile).
 TMA_POINT = {**WGMMA_POINT, "SWIZZLE": 128, "DQ_REDUCE": "red", "REFILL": "top",
              "LOADER": "tma"}
 TMA_PROBLEM = dict(HEAD_DIM=128, DTYPE="bf16", CAUSAL=True)
 # The staged dQ added by warp 1 of the producer, two staging buffers.
 WARP_POINT = {**TMA_POINT, "DQ_REDUCE": "bulk", "DQ_WRITER": "warp", "DQ_BUFFERS": 2}
+# dQ^T = K^T dS^T on steps of 80 query rows (FlashAttention-3's d128 tile without a mask).
+T_POINT = {**TMA_POINT, "BLOCK_M": 80, "STAGES": 2, "DQ_REDUCE": "bulk", "DQ_LAYOUT": "fragment",
+           "DQ_TRANSPOSED": True}
+T_PROBLEM = dict(HEAD_DIM=128, DTYPE="bf16", CAUSAL=False)
 POINTS = {"mma_bwd": (POINT, "sm_80"), "wgmma_bwd": (WGMMA_POINT, "sm_90a")}
 
 
@@ -102,7 +106,9 @@ def test_wgmma_bwd_spread_points_compile_to_hgmma_without_spills(cache: Path) ->
         ops = sass_opcodes(r.cubin or b"", "attn_bwd")
         d, m, n = (int(c.problem["HEAD_DIM"]), int(c.params["BLOCK_M"]),  # type: ignore[call-overload]
                    int(c.params["BLOCK_N"]))  # type: ignore[call-overload]
-        dq_steps = int(c.derived["DQ_MT"]) * n // 16  # type: ignore[call-overload]
+        tiles = (int(c.derived["DQT_ROWS"]) // 64 if c.params["DQ_TRANSPOSED"]  # type: ignore[call-overload]
+                 else int(c.derived["DQ_MT"]))  # type: ignore[call-overload]
+        dq_steps = tiles * n // 16
         assert ops.count("HGMMA") >= 2 * d // 16 + 2 * m // 16 + dq_steps, c.identity
         assert "STSM" in ops and "HMMA" not in ops, c.identity
         assert "LDL" not in ops and "STL" not in ops, c.identity
@@ -124,11 +130,11 @@ def test_wgmma_bwd_space_targets_sm90a_and_says_why() -> None:
     assert any("start on a panel of K" in b for b in split)
     parts = sp.violations({**WGMMA_POINT, "DQ_ACCUM": "separate"}, PROBLEM, target)
     assert any("adds into the atomic accumulator" in b for b in parts)
-    # Points measured before DQ_REDUCE, REFILL, LOADER, DQ_WRITER, DQ_BUFFERS, ROWS_EARLY and
-    # DQ_LAYOUT build today's kernel as they did.
+    # Points measured before DQ_REDUCE, REFILL, LOADER, DQ_WRITER, DQ_BUFFERS, ROWS_EARLY,
+    # DQ_LAYOUT and DQ_TRANSPOSED build today's kernel as they did.
     assert sp.legacy == {"DQ_REDUCE": "red", "REFILL": "top", "LOADER": "cp_async",
                          "DQ_WRITER": "consumer", "DQ_BUFFERS": 1, "ROWS_EARLY": False,
-                         "DQ_LAYOUT": "rows"}
+                         "DQ_LAYOUT": "rows", "DQ_TRANSPOSED": False}
     # dQ in fragment order is how staged dQ lies: only with the bulk reduction.
     frag = sp.with_untested().violations({**TMA_POINT, "DQ_LAYOUT": "fragment"}, TMA_PROBLEM,
                                          target)
@@ -146,6 +152,81 @@ def test_wgmma_bwd_space_targets_sm90a_and_says_why() -> None:
         sp, {**TMA_POINT, "LOADER": "cp_async"}, TMA_PROBLEM, target).smem_bytes + 2 * 8 * 2
     old = {k: v for k, v in WGMMA_POINT.items() if k not in sp.legacy}
     assert sp.complete(old) == {**WGMMA_POINT, **sp.legacy}
+
+
+def test_wgmma_bwd_transposed_dq_admits_any_16_rows_where_registers_fit() -> None:
+    """DQ_TRANSPOSED (dQ^T = K^T dS^T) lets a step hold 80 or 96 query rows; both are untested
+    values, so the shipped space proposes none of them. d128 at 80 rows fits two consumer
+    warpgroups (208 live registers), not 96 (224) nor one warpgroup (two m64 tiles of dQ^T);
+    each warpgroup takes whole m64 tiles of the head dim (not d64 over two); staged dQ^T only
+    in its fragment's order; without the transposition dQ stays in m64 tiles of query rows."""
+    sp = space("wgmma_bwd")
+    shipped = SearchSpace.load(paths.SPACES / "wgmma_bwd.toml")
+    target = get_arch("sm_90a")
+    assert sp.untested == {} and shipped.untested == {"BLOCK_M": (80, 96),
+                                                      "DQ_TRANSPOSED": (True,)}
+    assert not sp.violations(T_POINT, T_PROBLEM, target)
+    assert shipped.violations(T_POINT, T_PROBLEM, target)
+    assert not any(p["DQ_TRANSPOSED"] or p["BLOCK_M"] % 64
+                   for problem in shipped.problems() for p in shipped.admitted(problem, target))
+
+    def why(point: dict, problem: dict = T_PROBLEM) -> list[str]:
+        return sp.violations({**T_POINT, **point}, problem, target)
+
+    assert any("in m64 tiles" in b for b in why({"DQ_TRANSPOSED": False}))
+    assert any("the kernel spills" in b for b in why({"BLOCK_M": 96}))
+    assert any("spills" in b for b in why({"BLOCK_N": 64}))  # dQ^T: two m64 tiles
+    d64 = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True)
+    assert any("whole m64 tiles of the head dim" in b for b in why({}, d64))
+    assert not why({"BLOCK_N": 64, "BLOCK_M": 96}, d64)
+    assert any("fragment's order" in b for b in why({"DQ_LAYOUT": "rows"}))
+    assert not why({"DQ_LAYOUT": "rows", "DQ_REDUCE": "red"})
+    src = render(make_candidate(sp, T_POINT, T_PROBLEM, target))
+    assert "constexpr bool DQ_T = true;" in src
+    assert "mma_async<BLOCK_M>::ss<0, MNMajor<KTile>, KMajor<DSTile>, 1>(" in src
+    old = render(make_candidate(sp, {**T_POINT, "BLOCK_M": 64, "DQ_TRANSPOSED": False},
+                                T_PROBLEM, target))
+    assert "constexpr bool DQ_T = false;" in old and "stage_dqt" not in old
+
+
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not found")
+@pytest.mark.parametrize(("point", "problem"), [
+    (T_POINT, T_PROBLEM),  # FlashAttention-3's d128 tile, staged in fragment order
+    ({**T_POINT, "LOADER": "cp_async", "SWIZZLE": 64, "DQ_REDUCE": "red", "DQ_LAYOUT": "rows"},
+     T_PROBLEM),  # 255 registers, dQ^T added by scalar atomics
+    ({**T_POINT, "BLOCK_N": 64, "BLOCK_M": 96, "DQ_ACCUM": "separate", "DQ_REDUCE": "red",
+      "DQ_LAYOUT": "rows", "SWIZZLE": 32}, dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True)),
+    ({**T_POINT, "BLOCK_M": 64, "DQ_WRITER": "warp"}, T_PROBLEM),
+])
+def test_wgmma_bwd_transposed_dq_compiles_to_its_own_gemm_without_spills(point: dict,
+                                                                        problem: dict,
+                                                                        cache: Path) -> None:
+    """dQ^T is one m64nBLOCK_Mk16 wgmma per k-step of the block's keys per m64 tile of the
+    warpgroup's head dim, next to S^T's and dP^T's of the same shape; dK and dV's k-steps run
+    over the step's rows; staged dQ^T is BLOCK_M / 4 8-byte stores per tile (no 16-byte ones,
+    no quad exchange); scalar REDs where atomics add it; nothing spilled or serialised."""
+    target = get_arch("sm_90a")
+    cand = make_candidate(space("wgmma_bwd"), point, problem, target)
+    (r,) = compile_many([cand], target, workers=1)
+    assert r.ok, r.error
+    assert r.spill_bytes == 0 and r.stack_bytes == 0 and "serialized" not in r.log, r.log
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(r.cubin or b"")
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", "-fun", "attn_bwd", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    d, m, n = problem["HEAD_DIM"], point["BLOCK_M"], point["BLOCK_N"]
+    tiles = d // (n // 64) // 64
+    assert len(re.findall(rf"HGMMA\.64x{m}x16\.", sass)) == 2 * d // 16 + tiles * n // 16
+    assert len(re.findall(rf"HGMMA\.64x{d}x16\.", sass)) == 2 * m // 16
+    ops = sass_opcodes(r.cubin or b"", "attn_bwd")
+    assert "LDL" not in ops and "STL" not in ops
+    assert ops.count("SHFL") <= 1  # the warpgroup index's broadcast; no quad exchange of dQ
+    if point["DQ_REDUCE"] == "bulk":
+        assert len(re.findall(r"\bSTS\.64\b", sass)) == tiles * m // 4
+        assert "REDG" not in ops
+    elif point["DQ_ACCUM"] == "atomic":
+        assert "REDG" in ops and "UBLKRED" not in ops
 
 
 def test_wgmma_bwd_dq_warp_only_where_it_has_work_and_its_buffers_fit() -> None:

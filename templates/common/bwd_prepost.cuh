@@ -3,8 +3,9 @@
 // query blocks a key block visits. Included after the family's namespace cfg, which must
 // define HEAD_DIM, IS_BF16, CAUSAL, BLOCK_M (query rows per step: the padding of the per-row
 // values), BLOCK_N (keys per main-kernel block: the parts of dQ in deterministic mode) and
-// DQACC_FRAGMENT (dQacc in the wgmma family's fragment order: its DQ_LAYOUT; the parts of
-// deterministic mode are always in row order).
+// DQACC_FRAGMENT (dQacc in the wgmma family's fragment order: its DQ_LAYOUT) and
+// DQACC_TRANSPOSED (that order of its transposed dQ GEMM, DQ_TRANSPOSED); the parts of
+// deterministic mode are always in row order.
 //   attn_bwd_pre:  delta = rowsum(dO * O) and the log-sum-exp in the log2 domain, per query row,
 //                  padded to whole query blocks; zeroes the fp32 dQ accumulator when atomics
 //                  build it.
@@ -91,7 +92,14 @@ attn_bwd_post(const float* __restrict__ dQacc, const float* __restrict__ dQpart,
     x[4] += hi.x, x[5] += hi.y, x[6] += hi.z, x[7] += hi.w;
   };
   const long long at = (bh * seq_q + row) * HEAD_DIM + col;
-  if (dQpart == nullptr && DQACC_FRAGMENT) {
+  if (dQpart == nullptr && DQACC_TRANSPOSED) {
+    // Column col + j (j = 0..7) of 16-column group g = col / 16, half h: at 2 j + h of group
+    // g ^ ((row >> 1) & 1).
+    const float* slot = dQacc + (bh * seq_q + row) * HEAD_DIM +
+                        16 * ((col / 16) ^ ((row >> 1) & 1)) + (col / 8 % 2);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = slot[2 * j];
+  } else if (dQpart == nullptr && DQACC_FRAGMENT) {
     // Columns col + 2 q + {0, 1} (q = 0..3) of 16-column group g = col / 16, half h: slot
     // g ^ (row & 1), values 4 q + 2 h + {0, 1} of it.
     const float* slot = dQacc + (bh * seq_q + row) * HEAD_DIM +

@@ -53,7 +53,13 @@ POINTS = {
     # warpgroup (p21). p22-p25 stage dQ in fragment order (DQ_LAYOUT), which the last kernel
     # un-permutes: the TMA ring with a consumer (p22, FlashAttention-3's d128 tile) and a warp
     # with two buffers (p23) adding it, one warpgroup on the cp_async ring at swizzle 32 (p24),
-    # dQ split by query rows on the TMA ring (p25).
+    # dQ split by query rows on the TMA ring (p25). p26-p32 compute dQ^T = K^T dS^T
+    # (DQ_TRANSPOSED), so a step may hold 80 or 96 query rows: FlashAttention-3's d128 tile
+    # without a mask (p26: 128 keys, 80 rows, staged in the transposed fragment order, added by a
+    # consumer; p27: by the dQ warp, a one-stage ring), scalar atomics on the cp_async ring (p28),
+    # the deterministic parts at d64 on 96 rows (p29), one warpgroup on the TMA ring at d64 (p30),
+    # 64 rows at d128 (p31: the twin of the timed d128 points) and two m64 tiles of dQ^T per
+    # warpgroup (p32: d128, one warpgroup).
     "wgmma_bwd": [
         dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic"),
         dict(BLOCK_N=64, BLOCK_M=64, STAGES=1, SWIZZLE=128, DQ_ACCUM="separate"),
@@ -101,6 +107,21 @@ POINTS = {
              DQ_REDUCE="bulk", REFILL="top", DQ_LAYOUT="fragment"),
         dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment"),
+        dict(BLOCK_N=128, BLOCK_M=80, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_TRANSPOSED=True),
+        dict(BLOCK_N=128, BLOCK_M=80, STAGES=1, SWIZZLE=64, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
+             DQ_TRANSPOSED=True),
+        dict(BLOCK_N=128, BLOCK_M=80, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic", REFILL="dq",
+             DQ_TRANSPOSED=True),
+        dict(BLOCK_N=64, BLOCK_M=96, STAGES=2, SWIZZLE=32, DQ_ACCUM="separate",
+             DQ_TRANSPOSED=True),
+        dict(BLOCK_N=64, BLOCK_M=80, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_TRANSPOSED=True),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_TRANSPOSED=True),
+        dict(BLOCK_N=64, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_TRANSPOSED=True),
     ],
 }
 FAMILIES = tuple(POINTS)
@@ -153,6 +174,13 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     *(("wgmma_bwd", 23, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
     *(("wgmma_bwd", 24, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
     *(("wgmma_bwd", 25, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    *(("wgmma_bwd", 26, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    ("wgmma_bwd", 27, _problem(128, "bf16", False)), ("wgmma_bwd", 27, _problem(128, "fp16", True)),
+    ("wgmma_bwd", 28, _problem(128, "fp16", False)), ("wgmma_bwd", 28, _problem(128, "bf16", True)),
+    *(("wgmma_bwd", 29, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    *(("wgmma_bwd", 30, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    ("wgmma_bwd", 31, _problem(128, "bf16", False)), ("wgmma_bwd", 31, _problem(128, "fp16", True)),
+    ("wgmma_bwd", 32, _problem(128, "fp16", False)), ("wgmma_bwd", 32, _problem(128, "bf16", True)),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
@@ -273,7 +301,8 @@ def inputs(shape: tuple, dtype: torch.dtype, causal: bool, seed: int = 0) -> tup
     ("wgmma_bwd", 0, True), ("wgmma_bwd", 2, False), ("wgmma_bwd", 5, True),
     ("wgmma_bwd", 6, False), ("wgmma_bwd", 10, True), ("wgmma_bwd", 11, False),
     ("wgmma_bwd", 12, True), ("wgmma_bwd", 15, True), ("wgmma_bwd", 16, True),
-    ("wgmma_bwd", 21, False), ("wgmma_bwd", 25, True), ("wgmma_bwd", 24, True)])
+    ("wgmma_bwd", 21, False), ("wgmma_bwd", 25, True), ("wgmma_bwd", 24, True),
+    ("wgmma_bwd", 29, False), ("wgmma_bwd", 30, True)])
 def test_deterministic_results_are_bit_identical(family: str, point: int,
                                                  deterministic: bool) -> None:
     skip_unless_targeted(family)
@@ -335,7 +364,7 @@ def test_tma_loader_reads_an_expanded_output_gradient(point: int) -> None:
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize(("family", "point"), [("mma_bwd", 0), ("wgmma_bwd", 0),
                                                ("wgmma_bwd", 5), ("wgmma_bwd", 12),
-                                               ("wgmma_bwd", 15)])
+                                               ("wgmma_bwd", 15), ("wgmma_bwd", 30)])
 def test_a_zero_output_gradient_gives_exactly_zero(family: str, point: int,
                                                   deterministic: bool) -> None:
     """Nothing but the products of the inputs reaches the outputs: no workspace left
