@@ -229,6 +229,26 @@ def test_wgmma_bwd_transposed_dq_compiles_to_its_own_gemm_without_spills(point: 
         assert "REDG" in ops and "UBLKRED" not in ops
 
 
+@pytest.mark.parametrize(("head_dim", "causal"), [(48, False), (80, True), (96, False),
+                                               (112, True)])
+def test_wgmma_bwd_compiles_where_a_row_is_no_power_of_two_of_chunks(head_dim: int,
+                                                                    causal: bool,
+                                                                    cache: Path) -> None:
+    """A row of 96 values is 12 16-byte chunks, which the consumer threads do not split evenly:
+    K, V (and the cp.async ring's Q and dO) are then copied by chunk index. An admitted point
+    of each loader compiles with no spill (every d96 point failed a static assertion before)."""
+    sp = space("wgmma_bwd")
+    target = get_arch("sm_90a")
+    problem = dict(HEAD_DIM=head_dim, DTYPE="fp16", CAUSAL=causal)
+    points = sp.admitted(problem, target)
+    cands = [make_candidate(sp, next(p for p in points[i::7] if p["LOADER"] == loader),
+                            problem, target)
+             for i, loader in enumerate(("tma", "cp_async"))]
+    for c, r in zip(cands, compile_many(cands, target, workers=2), strict=True):
+        assert r.ok, f"{c.identity}: {r.error}"
+        assert r.spill_bytes == 0 and r.stack_bytes == 0, f"{c.identity} spills: {r}"
+
+
 def test_wgmma_bwd_dq_warp_only_where_it_has_work_and_its_buffers_fit() -> None:
     """DQ_WRITER=warp needs the TMA producer (its warp 1) and the bulk reduction; a second
     staging buffer only with the dQ warp (no duplicate kernels) and where shared memory holds
