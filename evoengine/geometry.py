@@ -49,6 +49,10 @@ _WIDE = {"float32", "float", "fp32", "float64", "double"}
 _DECODER = ("ForCausalLM", "LMHeadModel")
 _ENCODER = ("ForMaskedLM", "ForTokenClassification", "ForQuestionAnswering",
             "ForMultipleChoice", "ForImageClassification")
+# Model types whose configs may name a sliding window without layer_types, though only some
+# layers use it (Transformers derives the pattern in the config class).
+_HYBRID_TYPES = {"gemma2", "gemma3", "gemma3_text", "cohere2", "gpt_oss", "llama4",
+                 "llama4_text"}
 _ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "deberta", "deberta-v2", "distilbert",
                   "albert", "electra", "camembert", "mpnet", "modernbert", "vit", "dinov2",
                   "clip_vision_model", "siglip_vision_model", "esm"}
@@ -210,12 +214,56 @@ def geometry_of(config: Mapping[str, Any], *, where: str = "the config",
     elif longest > cap:
         notes.append(f"max_position_embeddings {longest} capped at {cap} (--max-seq)")
         longest = cap
+    window = _window(cfg, notes)
+    if window is not None and window < longest and max_seq is None:
+        notes.append(f"the ladder stops at the window, {window} tokens (--max-seq to go on)")
+        longest = window
+    _softcap(cfg, notes)
     return ModelGeometry(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                          causal=causal, max_seq=longest,
                          min_seq=LADDER_START if min_seq is None else min_seq,
                          latency_max_seq=(LATENCY_MAX_SEQ if latency_max_seq is None
                                           else latency_max_seq),
                          name=name, notes=tuple(notes))
+
+
+def _window(cfg: Mapping[str, Any], notes: list[str]) -> int | None:
+    """The sliding window where every attention layer has one (Mistral), else None; a note
+    either way it matters. The exported module serves a windowed call whose keys fit the
+    window (nothing is cut: plain causal attention) and refuses a longer one, or hands it to
+    SDPA with ``fallback='sdpa'`` (``launch.transformers.window_covers``)."""
+    window = cfg.get("sliding_window")
+    if (cfg.get("use_sliding_window") is False or isinstance(window, bool)
+            or not isinstance(window, int) or window <= 0):
+        return None
+    types = cfg.get("layer_types")
+    windowed = (sum(t == "sliding_attention" for t in types) if isinstance(types, list)
+                else None)
+    if windowed == 0:
+        return None
+    refused = (f"calls past {window} keys are refused (fallback='sdpa': SDPA serves them), "
+               "shorter ones are plain causal attention")
+    if windowed is not None and windowed < len(types):
+        notes.append(f"sliding_window {window} on {windowed} of {len(types)} layers: their "
+                     f"{refused}; the other layers' calls are served at every length")
+        return None
+    if windowed is None and (cfg.get("model_type") in _HYBRID_TYPES or any(
+            k in cfg for k in ("sliding_window_pattern", "_sliding_window_pattern"))):
+        notes.append(f"sliding_window {window} on some layers (model_type "
+                     f"{cfg.get('model_type')!r} mixes windowed and full layers): their "
+                     f"{refused}; the full layers' calls are served at every length")
+        return None
+    notes.append(f"sliding_window {window} on every layer: {refused}")
+    return window
+
+
+def _softcap(cfg: Mapping[str, Any], notes: list[str]) -> None:
+    """A note where the model soft-caps its attention logits, which no kernel here does."""
+    cap = cfg.get("attn_logit_softcapping")
+    if cap is not None:
+        notes.append(f"attn_logit_softcapping {cap}: the kernels do not soft-cap, so the "
+                     "exported module refuses this model's calls (fallback='sdpa': SDPA "
+                     "serves them)")
 
 
 def _first(cfg: Mapping[str, Any], *names: str) -> Any:

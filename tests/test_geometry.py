@@ -48,6 +48,45 @@ def test_head_dim_is_read_before_it_is_derived() -> None:
     assert g.head_dim == 256
 
 
+def test_a_window_on_every_layer_ends_the_ladder_there_and_says_what_is_served() -> None:
+    mistral = {**LLAMA, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+               "sliding_window": 4096, "max_position_embeddings": 32768}
+    g = geometry_of(mistral)
+    assert g.max_seq == 4096 and g.prefill_lengths()[-1] == 4096
+    assert any("sliding_window 4096 on every layer" in n and "refused" in n for n in g.notes)
+    assert geometry_of(mistral, max_seq=8192).max_seq == 8192  # the flag wins
+    # Listed layer types say how many layers have it.
+    all_sliding = geometry_of({**mistral, "layer_types": ["sliding_attention"] * 4})
+    assert all_sliding.max_seq == 4096
+
+
+@pytest.mark.parametrize("extra", [
+    {"layer_types": ["sliding_attention", "full_attention"]},
+    {"model_type": "gemma2"},  # older configs: the pattern lives in the config class
+    {"sliding_window_pattern": 6},
+])
+def test_a_window_on_some_layers_keeps_the_ladder_with_a_note(extra: dict) -> None:
+    g = geometry_of({**LLAMA, "sliding_window": 4096, **extra})
+    assert g.max_seq == DEFAULT_MAX_SEQ
+    assert any("sliding_window 4096 on" in n and "every length" in n for n in g.notes)
+
+
+@pytest.mark.parametrize("extra", [
+    {"sliding_window": None}, {"sliding_window": 32768, "use_sliding_window": False},
+    {"sliding_window": 4096, "layer_types": ["full_attention"] * 4},
+])
+def test_a_window_that_no_layer_uses_changes_nothing(extra: dict) -> None:
+    g = geometry_of({**LLAMA, **extra})
+    assert g.max_seq == DEFAULT_MAX_SEQ and not any("sliding" in n for n in g.notes)
+
+
+def test_soft_capped_logits_are_named_as_refused() -> None:
+    g = geometry_of({**LLAMA, "attn_logit_softcapping": 50.0})
+    assert any("attn_logit_softcapping 50.0" in n and "refuses" in n for n in g.notes)
+    assert not any("softcapping" in n for n in geometry_of(
+        {**LLAMA, "attn_logit_softcapping": None}).notes)
+
+
 def test_kv_heads_default_to_the_query_heads() -> None:
     g = geometry_of({"num_attention_heads": 12, "hidden_size": 768, "architectures":
                      ["GPT2LMHeadModel"], "n_positions": 1024, "torch_dtype": "float16"})

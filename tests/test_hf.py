@@ -84,6 +84,34 @@ def test_what_the_kernels_cannot_do_is_refused(kwargs: dict, named: str) -> None
     assert rec.calls == []
 
 
+@pytest.mark.parametrize(("sq", "sk"), [(5, 5), (1, 9), (3, 8)])
+def test_a_sliding_window_over_every_key_is_plain_causal_attention(sq: int, sk: int) -> None:
+    """Mistral-style models pass their window on every call: within it (keys <= window)
+    nothing is cut, so the call is served as it is; one key past it, it is refused."""
+    rec = Recorder()
+    q, k, v = qkv(sq, sk)
+    out, _ = hf.transformers_attention(rec)(Attn(), q, k, v, None, sliding_window=sk)
+    plain, _ = hf.transformers_attention(Recorder())(Attn(), q, k, v, None)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    assert len(rec.calls) == 1
+    with pytest.raises(ValueError, match="cannot serve sliding_window"):
+        hf.transformers_attention(rec)(Attn(), q, k, v, None, sliding_window=sk - 1)
+
+
+@pytest.mark.parametrize("window", [True, 4.0, (8, 8), 0])
+def test_a_window_that_is_no_key_count_is_refused(window: object) -> None:
+    with pytest.raises(ValueError, match="cannot serve sliding_window"):
+        hf.transformers_attention(Recorder())(Attn(), *qkv(3, 3), None, sliding_window=window)
+
+
+def test_a_bidirectional_window_is_refused() -> None:
+    """Only a causal window's reach is known here (an encoder's may look both ways)."""
+    encoder = Attn()
+    encoder.is_causal = False
+    with pytest.raises(ValueError, match="cannot serve sliding_window"):
+        hf.transformers_attention(Recorder())(encoder, *qkv(5, 5), None, sliding_window=64)
+
+
 def test_unknown_fallback_is_refused() -> None:
     with pytest.raises(ValueError, match="fallback must be None or 'sdpa'"):
         hf.transformers_attention(Recorder(), fallback="eager")
@@ -229,3 +257,31 @@ def test_padding_is_unpadded_into_the_varlen_kernels(models: tuple) -> None:
         assert ragged.calls == []  # every layer went through the ragged path
     finally:
         hf.register(rec, name="evoengine_cpu_test")
+
+
+@torch.no_grad()
+def test_a_mistral_within_its_window_runs_through_the_registered_function() -> None:
+    """A model that passes sliding_window on every call (Mistral): prompts up to the window
+    are served and match SDPA; a longer one is refused in one line (SDPA's with fallback)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    rec = Recorder()
+    name = hf.register(rec, name="evoengine_cpu_test_window")
+
+    def mistral(attn_implementation: str) -> torch.nn.Module:  # a config each: models read it
+        config = MistralConfig(vocab_size=128, hidden_size=256, intermediate_size=512,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+                               sliding_window=40)
+        return AutoModelForCausalLM.from_config(config,
+                                                attn_implementation=attn_implementation).eval()
+
+    torch.manual_seed(0)
+    ref, ours = mistral("sdpa"), mistral(name)
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 128, (2, 37))
+    torch.testing.assert_close(ours(ids).logits, ref(ids).logits)
+    assert [c["causal"] for c in rec.calls] == [True, True]  # two layers, ours only
+    with pytest.raises(ValueError, match="cannot serve sliding_window"):
+        ours(torch.randint(0, 128, (2, 41)))

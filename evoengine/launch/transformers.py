@@ -93,6 +93,17 @@ def unpadded_attention(varlen_fn: Callable[..., Tensor], query: Tensor, key: Ten
     return out
 
 
+def window_covers(window: object, kv_len: int) -> bool:
+    """Whether a causal sliding window of ``window`` keys cuts nothing from a call with
+    ``kv_len`` keys: Transformers' window keeps key j for the query at position i where
+    j > i - window, and a causal call's last query sits at position kv_len - 1 (bottom-right),
+    so every key is kept when kv_len <= window (Transformers' own SDPA path skips the mask
+    then too). Mistral-style models pass their window on every call; those within it are
+    plain causal attention."""
+    return (isinstance(window, int) and not isinstance(window, bool)
+            and 0 < kv_len <= window)
+
+
 def transformers_attention(attention_fn: Callable[..., Tensor], *,
                            fallback: str | None = None,
                            varlen_fn: Callable[..., Tensor] | None = None,
@@ -105,7 +116,8 @@ def transformers_attention(attention_fn: Callable[..., Tensor], *,
     call with more keys than queries is a prefill into an empty static cache (aligned
     top-left), so the keys past the queries are dropped. A padding mask (``padding_of``) is
     served by unpadding the batch into ``varlen_fn`` (``attention_varlen``'s call) and
-    padding the result back, where one is given. Other masks, dropout, sliding windows,
+    padding the result back, where one is given. A causal sliding window that covers every
+    key of the call is no window (``window_covers``). Other masks, dropout, sliding windows,
     soft-capping and sinks are refused, or handed to Transformers' SDPA with
     ``fallback='sdpa'``.
     """
@@ -116,9 +128,11 @@ def transformers_attention(attention_fn: Callable[..., Tensor], *,
                             dropout: float = 0.0, scaling: float | None = None,
                             is_causal: bool | None = None,
                             **kwargs: Any) -> tuple[Tensor, None]:
-        unsupported = [name for name in _HF_UNSUPPORTED if kwargs.get(name) is not None]
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         q_len, kv_len = query.shape[2], key.shape[2]
+        unsupported = [name for name in _HF_UNSUPPORTED if kwargs.get(name) is not None
+                       and not (name == "sliding_window" and causal
+                                and window_covers(kwargs[name], kv_len))]
         padding = None
         if attention_mask is not None:
             if varlen_fn is not None:
