@@ -22,7 +22,7 @@ from evoengine import backward, launch, paths
 from evoengine.arch import get_arch
 from evoengine.backward import BackwardKernel
 from evoengine.compile import CompileResult, compile_many, cuobjdump_path
-from evoengine.render import make_candidate, render
+from evoengine.render import Candidate, make_candidate, render
 from evoengine.space import SearchSpace, spread
 
 F16 = torch.float16
@@ -74,6 +74,22 @@ def test_spread_points_compile_without_spills(arch: str, cache: Path) -> None:
 
 CUOBJDUMP = cuobjdump_path()
 _OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", re.M)
+
+
+def clean_build(point: dict, problem: dict) -> tuple[Candidate, CompileResult, str]:
+    """A wgmma_bwd point compiled for sm_90a with no spill, stack or serialised wgmma, and the
+    SASS text of its main kernel."""
+    target = get_arch("sm_90a")
+    cand = make_candidate(space("wgmma_bwd"), point, problem, target)
+    (r,) = compile_many([cand], target, workers=1)
+    assert r.ok, r.error
+    assert r.spill_bytes == 0 and r.stack_bytes == 0 and "serialized" not in r.log, r.log
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(r.cubin or b"")
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", "-fun", "attn_bwd", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    return cand, r, sass
 
 
 def sass_opcodes(cubin: bytes, entry: str) -> list[str]:
@@ -205,16 +221,7 @@ def test_wgmma_bwd_transposed_dq_compiles_to_its_own_gemm_without_spills(point: 
     warpgroup's head dim, next to S^T's and dP^T's of the same shape; dK and dV's k-steps run
     over the step's rows; staged dQ^T is BLOCK_M / 4 8-byte stores per tile (no 16-byte ones,
     no quad exchange); scalar REDs where atomics add it; nothing spilled or serialised."""
-    target = get_arch("sm_90a")
-    cand = make_candidate(space("wgmma_bwd"), point, problem, target)
-    (r,) = compile_many([cand], target, workers=1)
-    assert r.ok, r.error
-    assert r.spill_bytes == 0 and r.stack_bytes == 0 and "serialized" not in r.log, r.log
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(r.cubin or b"")
-        f.flush()
-        sass = subprocess.run([CUOBJDUMP, "-sass", "-fun", "attn_bwd", f.name],
-                              capture_output=True, text=True, check=True).stdout
+    cand, r, sass = clean_build(point, problem)
     d, m, n = problem["HEAD_DIM"], point["BLOCK_M"], point["BLOCK_N"]
     tiles = d // (n // 64) // 64
     assert len(re.findall(rf"HGMMA\.64x{m}x16\.", sass)) == 2 * d // 16 + tiles * n // 16
@@ -306,16 +313,7 @@ def test_wgmma_bwd_dq_warp_issues_the_only_bulk_reduction(point: dict, problem: 
     """DQ_WRITER=warp: one UBLKRED in the kernel, in the producer's code (after its
     setmaxnreg.dec), none left in the consumers; the producer's code fits the registers it keeps
     (24 with two consumer warpgroups, 56 with one); nothing spilled, serialised or local."""
-    target = get_arch("sm_90a")
-    cand = make_candidate(space("wgmma_bwd"), point, problem, target)
-    (r,) = compile_many([cand], target, workers=1)
-    assert r.ok, r.error
-    assert r.spill_bytes == 0 and r.stack_bytes == 0 and "serialized" not in r.log, r.log
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(r.cubin or b"")
-        f.flush()
-        sass = subprocess.run([CUOBJDUMP, "-sass", "-fun", "attn_bwd", f.name],
-                              capture_output=True, text=True, check=True).stdout
+    cand, r, sass = clean_build(point, problem)
     producer_at = sass.index("USETMAXREG.DEALLOC")
     consumers, producer = sass[:producer_at], sass[producer_at:]
     assert "UBLKRED" not in consumers and producer.count("UBLKRED") == 1, cand.identity
