@@ -59,7 +59,7 @@ from evoengine.search import cross
 from evoengine.search.evaluator import Evaluator
 from evoengine.search.loop import SearchConfig, SearchResult, default_study, search
 from evoengine.search.progress import Progress, Tally
-from evoengine.space import SearchSpace, default_spaces
+from evoengine.space import SearchSpace, default_spaces, workload_names
 
 SPLITS = ("equal", "flops")
 MIN_SHARE_S = 10.0
@@ -234,7 +234,15 @@ def _why_unserved(kind: str, spaces: list[SearchSpace], workloads: list[Workload
     if not mine:
         return f"no {kind} search space targets {arch.name}"
     w = workloads[0]  # the problem (head dim, dtype, causal) is the same for all
-    why = [s.problem_violations(w.problem(), arch) for s in mine]
+    problem_ = w.problem()
+    why = [s.problem_violations(problem_, arch) for s in mine]
+    # A space whose constraints on the problem alone pass may still admit no point of it
+    # (every tile's registers too many at d256, say): the search would stop on it mid-tune.
+    facts = workload_names(w)
+    for i, s in enumerate(mine):
+        if not why[i] and s.first_admitted(problem_, arch, facts) is None:
+            first = s.violations(next(s.grid()), problem_, arch)
+            why[i] = [f"no point admitted (its first: {first[0] if first else 'a workload rule'})"]
     if all(why):
         return (f"no {kind} search space admits {w.key()} on {arch.name}: "
                 + "; ".join(f"{s.family}: {b[0]}" for s, b in zip(mine, why, strict=True)))

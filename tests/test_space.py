@@ -525,6 +525,19 @@ def test_workload_rules_drop_points_only_for_the_workload(tmp_path: Path) -> Non
         assert bool(bad) is not bool(packed), (kv_heads, bad)
 
 
+def test_first_admitted_is_the_first_in_order_and_reads_workload_rules(tmp_path: Path) -> None:
+    """The first admitted point of the grid, or None; given a workload's facts, its rules too
+    (an MHA workload's first point is unpacked whatever the order)."""
+    space = SearchSpace.load(write(tmp_path, GROUP_RULE.replace("PACK = [false, true]",
+                                                                 "PACK = [true, false]")))
+    sm80, hd64 = get_arch("sm_80"), {"HEAD_DIM": 64}
+    assert space.first_admitted(hd64, sm80) == space.admitted(hd64, sm80)[0] == {
+        "BLOCK_M": 32, "PACK": True}
+    assert space.first_admitted(hd64, sm80, {"KV_GROUP": 1}) == {"BLOCK_M": 32, "PACK": False}
+    assert space.first_admitted(hd64, sm80, {"KV_GROUP": 4}) == {"BLOCK_M": 32, "PACK": True}
+    assert space.first_admitted({"HEAD_DIM": 10**6}, sm80) is None  # no tile fits
+
+
 def test_untested_values_are_admitted_only_when_asked(tmp_path: Path) -> None:
     """[untested]: built and checked offline, not yet on a GPU. The search's space never
     admits them (nor proposes them); ``with_untested()`` does, for the GPU tests."""

@@ -205,6 +205,20 @@ def test_a_head_dim_no_space_admits_is_refused() -> None:
         tune.plan(replace(TINY, head_dim=24), SM90, name="t")
 
 
+def test_a_kind_whose_spaces_admit_no_point_is_left_out_before_the_tune_starts() -> None:
+    """d256's backward passes every constraint on the problem alone, yet no tile of either
+    family fits (registers, shared memory): left out with the first point's reason, not a
+    search that stops the tune midway; asked for, refused in one line."""
+    d256 = replace(TINY, head_dim=256)
+    tp = tune.plan(d256, SM90, name="t")
+    assert tp.kinds == ("fwd", "varlen", "decode")
+    (note,) = tp.notes
+    assert note.startswith("bwd left out: no bwd search space admits")
+    assert "mma_bwd: no point admitted (its first: " in note and "wgmma_bwd: no point" in note
+    with pytest.raises(ValueError, match="wgmma_bwd: no point admitted"):
+        tune.plan(d256, SM90, name="t", kinds=("bwd",))
+
+
 # ---- the loop -----------------------------------------------------------------------------
 
 class Clock:
