@@ -172,6 +172,39 @@ def test_compiles_offline_without_spills(arch: str, paged: bool, merge: str,
         assert (ops.count("ATOMG"), ops.count("MEMBAR")) == ((1, 2) if fused else (0, 0))
 
 
+@pytest.mark.parametrize("arch", ["sm_89", "sm_90a"])
+@pytest.mark.parametrize(("head_dim", "paged", "threads"), [(96, True, 128), (80, False, 256),
+                                                            (112, True, 64)])
+def test_rows_of_no_power_of_two_copies_are_copied_by_index(arch: str, head_dim: int,
+                                                            paged: bool, threads: int) -> None:
+    """d96 is 12 16-byte copies a row (d80 10, d112 14), which no thread count splits: such
+    points copy K and V by index (and were refused before); their registers are bounded by a
+    constraint of their own; one compiles with no spill or local memory."""
+    from tests.test_backward import CUOBJDUMP, sass_opcodes
+
+    space = SearchSpace.load(SPACE)
+    target = get_arch(arch)
+    problem_ = {"HEAD_DIM": head_dim, "DTYPE": "fp16", "PAGED": paged}
+    block_n = 128 if threads == 256 else 64  # 16 keys a warp at least
+    params = dict(BLOCK_N=block_n, BLOCK_M=16, NUM_WARPS=threads // 32, STAGES=2, VEC_BYTES=16,
+                  L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=2,
+                  COMBINE="fused")
+    assert not space.violations(params, problem_, target)
+    cand = make_candidate(space, params, problem_, target)
+    assert "constexpr bool COLUMNS = THREADS % ROW_VECS == 0;" in render(cand)
+    copies = -(-block_n * head_dim // 8 // threads)
+    assert int(cand.derived["ROWS_PER_THREAD"]) == copies  # type: ignore[call-overload]
+    result = compile_candidate(cand, target)
+    assert result.ok, result.error
+    assert result.spill_bytes == 0, f"{cand.identity} spills on {arch}"
+    if CUOBJDUMP is not None:
+        ops = sass_opcodes(result.cubin or b"", "attn_decode")
+        assert "LDL" not in ops and "STL" not in ops, cand.identity
+    many = {**params, "BLOCK_N": 64, "BLOCK_M": 32, "NUM_WARPS": 2, "VEC_BYTES": 8}  # 24 copies
+    assert any("copies by index" in b for b in space.violations(
+        many, {**problem_, "HEAD_DIM": 96}, target))
+
+
 def test_merge_slices_fit_where_the_ring_does() -> None:
     """Both merges admit the same points on every target (the ring of at least two tiles of
     16 keys a warp is as large as the slices, and larger than them below 32 rows); the slices

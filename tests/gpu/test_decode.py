@@ -11,6 +11,7 @@ the splits (COMBINE: the combine kernel, and fused into the last block of each g
 from __future__ import annotations
 
 import functools
+import random
 
 import pytest
 import torch
@@ -82,6 +83,45 @@ def test_decode_criterion(head_dim: int, dtype: str, paged: bool, merge: str,
             v = validate.check_decode(kernel, lengths=list(lengths), capacity=capacity,
                                       q_len=q_len, heads=heads, kv_heads=kv,
                                       head_dim=head_dim, dtype=torch_dtype, paged=paged,
+                                      page_size=page, seed=len(lengths) * 1000 + q_len)
+            assert v.ok, f"{kernel.name} {lengths} q{q_len} {heads}/{kv}: {v.reason}"
+
+
+@functools.cache
+def other_kernels(head_dim: int, paged: bool, combine: str) -> list[DecodeKernel]:
+    """The hand-picked points the space admits at ``head_dim``, topped up to three with
+    admitted points drawn at random (at d256 no hand-picked point fits), those that compile
+    without spills."""
+    arch = gpu_arch()
+    problem = dict(HEAD_DIM=head_dim, DTYPE="bf16", PAGED=paged)
+    points = [dict(p, MERGE="slices", COMBINE=combine) for p in POINTS]
+    points = [p for p in points if not space().violations(p, problem, arch)]
+    drawn = [p for p in space().admitted(problem, arch)
+             if p["MERGE"] == "slices" and p["COMBINE"] == combine]
+    random.Random(head_dim).shuffle(drawn)
+    points += drawn[:max(0, 3 - len(points))]
+    cands = [make_candidate(space(), p, problem, arch) for p in points]
+    return [DecodeKernel(c, r) for c, r in zip(cands, compile_many(cands, arch), strict=True)
+            if r.ok and not r.spill_bytes]
+
+
+@pytest.mark.parametrize("combine", ["kernel", "fused"])
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
+def test_other_head_dims(head_dim: int, paged: bool, combine: str) -> None:
+    """Head dims other than 64 and 128: d80 and d96 copy K and V by index (10 or 12 16-byte
+    copies a row, which no thread count splits), and the combine takes rows of 20 and 24
+    float4s; d32 and d256 keep the column walk."""
+    ks = other_kernels(head_dim, paged, combine)
+    assert ks
+    for kernel in ks:
+        for lengths, q_len, heads, kv, page in CASES[:3]:
+            capacity = max(lengths)
+            if paged:
+                capacity = -(-capacity // page) * page
+            v = validate.check_decode(kernel, lengths=list(lengths), capacity=capacity,
+                                      q_len=q_len, heads=heads, kv_heads=kv,
+                                      head_dim=head_dim, dtype=torch.bfloat16, paged=paged,
                                       page_size=page, seed=len(lengths) * 1000 + q_len)
             assert v.ok, f"{kernel.name} {lengths} q{q_len} {heads}/{kv}: {v.reason}"
 
