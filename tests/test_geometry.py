@@ -37,6 +37,18 @@ def test_a_decoder_config_gives_its_geometry(tmp_path: Path) -> None:
     assert any("capped" in n for n in g.notes) and any("LlamaForCausalLM" in n for n in g.notes)
 
 
+@pytest.mark.parametrize(("name", "geometry"), [
+    ("llama3-8b", (32, 8, 128, "bf16", True, 8192)),
+    ("qwen2.5-7b", (28, 4, 128, "bf16", True, DEFAULT_MAX_SEQ)),  # its window is off
+    ("llama3.2-1b", (32, 8, 64, "bf16", True, DEFAULT_MAX_SEQ)),
+])
+def test_the_benchmark_configs_give_the_geometry_their_checks_report(name: str,
+                                                                     geometry: tuple) -> None:
+    g = from_config(Path(__file__).parents[1] / "benchmarks" / "configs" / f"{name}.json")
+    assert (g.heads, g.kv_heads, g.head_dim, g.dtype, g.causal, g.max_seq) == geometry
+    assert g.name == name and not any("sliding" in n for n in g.notes)
+
+
 def test_flags_override_the_config_and_cap_the_length(tmp_path: Path) -> None:
     g = from_config(write(tmp_path, LLAMA), max_seq=4096, dtype="fp16", causal=False,
                     kv_heads=4)
