@@ -57,11 +57,18 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
     spaces = _spaces(args.space, None)
     if not any(s.supports(arch) for s in spaces):
         raise UsageError(f"no search space targets {arch.name}")
-    points = spread(spaces, arch, args.limit, args.seed)
+    points = spread(spaces, arch, args.limit, args.seed, head_dims=args.head_dim)
     cands = [make_candidate(space, params, problem, arch) for space, problem, params in points]
+    # Problems of a family that admits no point of them: named, as no candidate says it.
+    empty = [f"{s.family} " + " ".join(f"{k}={v}" for k, v in problem.items())
+             for s in spaces if s.supports(arch)
+             for problem in s.problems(head_dims=args.head_dim)
+             if s.first_admitted(problem, arch) is None]
     if not args.json:
         print(f"compiling {len(cands)} candidates for {arch.name} with {nvrtc_version()}",
               file=sys.stderr)
+        for line in empty:
+            print(f"no admitted point: {line}", file=sys.stderr)
     start = time.perf_counter()
     reports = []
     for i, (cand, result) in enumerate(zip(cands, compile_many(cands, arch, args.workers),
@@ -74,7 +81,7 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
             print(f"[{i + 1:3d}/{len(cands)}] {result.seconds:5.2f}s  {status}  {cand.identity}")
     ok = sum(r["ok"] for r in reports)
     summary = {"arch": arch.name, "compiler": nvrtc_version(), "candidates": len(reports),
-               "compiled": ok, "failed": len(reports) - ok,
+               "compiled": ok, "failed": len(reports) - ok, "no_point": empty,
                "seconds": round(time.perf_counter() - start, 2)}
     if args.json:
         json.dump({"summary": summary, "candidates": reports}, sys.stdout, indent=1)
@@ -559,6 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which spread of candidates (default 0)")
     c.add_argument("--workers", type=positive_int, default=None,
                    help="compiler processes (default: cores)")
+    c.add_argument("--head-dim", type=positive_int, action="append", metavar="N",
+                   help="compile problems of this head dim instead of the spaces' own "
+                   "(repeatable); a problem no point of a family admits is named")
     c.add_argument("--json", action="store_true", help="print one JSON document")
     c.set_defaults(func=cmd_compile_check)
 

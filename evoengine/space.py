@@ -42,7 +42,7 @@ import itertools
 import random
 import re
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -298,12 +298,17 @@ class SearchSpace:
         return [f"{c.why} ({c.rule.text})" for c in self.constraints
                 if c.rule.names <= env.keys() and not c.rule(env)]
 
-    def problems(self, kind: str | None = None) -> Iterator[dict[str, object]]:
+    def problems(self, kind: str | None = None,
+                 head_dims: Sequence[int] | None = None) -> Iterator[dict[str, object]]:
         """Every combination of the default problem dimensions, with those ``kind`` adds
-        (``[kind_problem.<kind>]``; None: the main kind's, which add none)."""
+        (``[kind_problem.<kind>]``; None: the main kind's, which add none); ``head_dims``, where
+        given, in place of ``[problem]``'s HEAD_DIM values."""
         extra = self.kind_problem.get(kind, {}) if kind is not None else {}
-        for values in itertools.product(*self.problem.values()):
-            yield {**dict(zip(self.problem, values, strict=True)), **extra}
+        dims = dict(self.problem)
+        if head_dims is not None and "HEAD_DIM" in dims:
+            dims["HEAD_DIM"] = tuple(dict.fromkeys(head_dims))
+        for values in itertools.product(*dims.values()):
+            yield {**dict(zip(dims, values, strict=True)), **extra}
 
     def problem_names_ok(self, names: set[str]) -> bool:
         """Whether a problem naming ``names`` is one of this space's kinds': ``[problem]``,
@@ -388,14 +393,16 @@ def sample(items: list, n: int | None, seed: int = 0) -> list:
     return random.Random(seed).sample(items, n)
 
 
-def spread(spaces: list[SearchSpace], arch: Arch, limit: int | None,
-           seed: int = 0) -> list[tuple[SearchSpace, dict[str, object], dict[str, object]]]:
+def spread(spaces: list[SearchSpace], arch: Arch, limit: int | None, seed: int = 0,
+           head_dims: Sequence[int] | None = None,
+           ) -> list[tuple[SearchSpace, dict[str, object], dict[str, object]]]:
     """Admitted (space, problem, params) points for ``arch``, spread evenly over families and
-    problems: each (space, problem) group is shuffled with ``seed`` and the groups are dealt
-    round-robin, so the first ``limit`` points cover them all."""
+    problems (``head_dims``: of these head dims, not the spaces' own): each (space, problem)
+    group is shuffled with ``seed`` and the groups are dealt round-robin, so the first
+    ``limit`` points cover them all."""
     groups = []
     for i, space in enumerate(s for s in spaces if s.supports(arch)):
-        for j, problem in enumerate(space.problems()):
+        for j, problem in enumerate(space.problems(head_dims=head_dims)):
             points = space.admitted(problem, arch)
             random.Random(f"{seed}-{i}-{j}").shuffle(points)
             groups.append(((j, i), [(space, problem, p) for p in points]))

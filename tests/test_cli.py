@@ -57,6 +57,25 @@ def test_compile_check_json(tmp_path: Path) -> None:
         assert c["ok"] and c["registers"] > 0 and c["smem_bytes"] <= 99 * 1024
 
 
+def test_compile_check_other_head_dims_names_what_admits_none(tmp_path: Path) -> None:
+    """--head-dim compiles problems of another head dim (d96: 12 chunks a row, which the
+    backward and decode copy by index) and names each family's problems that admit no point
+    (the wgmma backward at d256: no tile fits)."""
+    space = ["--space", str(ROOT / "search_spaces" / "wgmma_bwd.toml"),
+             "--space", str(ROOT / "search_spaces" / "decode.toml")]
+    done = run("compile-check", "--arch", "sm_90a", *space, "--head-dim", "96",
+               "--head-dim", "256", "--limit", "2", "--json",
+               env={"EVOENGINE_CACHE": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["summary"]["compiled"] == 2
+    assert {(c["family"], c["problem"]["HEAD_DIM"]) for c in doc["candidates"]} == {
+        ("wgmma_bwd", 96), ("decode", 96)}
+    assert doc["summary"]["no_point"] == [
+        f"wgmma_bwd HEAD_DIM=256 DTYPE={t} CAUSAL={c}"
+        for t in ("fp16", "bf16") for c in (False, True)]
+
+
 def test_compile_error_is_a_result_not_a_crash(tmp_path: Path) -> None:
     space = tmp_path / "broken.toml"
     text = (ROOT / "search_spaces" / "mma.toml").read_text()
