@@ -325,17 +325,22 @@ class SearchSpace:
     def admitted(self, problem: Mapping[str, object], arch: Arch) -> list[dict[str, object]]:
         return [p for p in self.grid() if not self.violations(p, problem, arch)]
 
-    def first_admitted(self, problem: Mapping[str, object], arch: Arch,
-                       workload: Mapping[str, object] | None = None) -> dict[str, object] | None:
-        """The first point in declared order admitted for ``problem`` (and, given its facts,
-        the ``[[workload_rules]]`` of a workload), or None: stops at the first, so asking
-        whether a problem has any point costs milliseconds unless it has none."""
+    def iter_admitted(self, problem: Mapping[str, object], arch: Arch,
+                      workload: Mapping[str, object] | None = None,
+                      ) -> Iterator[dict[str, object]]:
+        """The points admitted for ``problem``, in declared order, lazily; given a workload's
+        facts (``workload_names``), only those its ``[[workload_rules]]`` admit too."""
         for p in self.grid():
             if not self.violations(p, problem, arch) and not (
                     workload is not None
                     and self.workload_violations(p, problem, arch, workload)):
-                return p
-        return None
+                yield p
+
+    def first_admitted(self, problem: Mapping[str, object], arch: Arch,
+                       workload: Mapping[str, object] | None = None) -> dict[str, object] | None:
+        """The first of ``iter_admitted``, or None: asking whether a problem has any point
+        costs milliseconds unless it has none."""
+        return next(self.iter_admitted(problem, arch, workload), None)
 
     def nearest_admitted(self, params: Mapping[str, object], problem: Mapping[str, object],
                          arch: Arch) -> dict[str, object] | None:

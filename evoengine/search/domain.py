@@ -42,8 +42,7 @@ class Domain:
             if (not space.serves(workload.kind) or not space.supports(arch)
                     or space.family in self.spaces):
                 continue  # another problem's family, another target's, or named twice
-            admitted = [p for p in space.admitted(self.problem, arch)
-                        if not space.workload_violations(p, self.problem, arch, self.facts)]
+            admitted = list(space.iter_admitted(self.problem, arch, self.facts))
             if admitted:
                 self.spaces[space.family] = space
                 self.points[space.family] = admitted
