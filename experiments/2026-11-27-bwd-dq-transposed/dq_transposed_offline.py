@@ -35,8 +35,9 @@ TARGET = get_arch("sm_90a")
 def staged_map_agrees(head_dim: int, wgs: int, block_m: int) -> bool:
     """The template's stage_dqt addresses against attn_bwd_post's reads (DQACC_TRANSPOSED),
     for every value of a step's dQ^T (wgmma's m64nN accumulator: thread row 16 warp + lane / 4
-    + 8 r, column 8 i + 2 (lane % 4) + e, register 4 i + 2 r + e); and each 8-byte store of a
-    warp covers every bank pair at most twice (2 wavefronts for 256 bytes)."""
+    + 8 r, column 8 i + 2 (lane % 4) + e, register 4 i + 2 r + e); and each half-warp's
+    8-byte stores (one phase of the store each) fall on distinct bank pairs (2 wavefronts for
+    the warp's 256 bytes)."""
     rows = head_dim // wgs
     staged: dict[int, tuple[int, int]] = {}
     conflict_free = True
@@ -50,17 +51,19 @@ def staged_map_agrees(head_dim: int, wgs: int, block_m: int) -> bool:
                             c = lane & 3
                             at = ((2 * c + 8 * i + e) * head_dim
                                   + ((rows * wg + 64 * mt + 16 * warp) ^ (16 * (c & 1)))
-                                  + 2 * (lane >> 2))
+                                  + ((2 * (lane >> 2)) ^ (8 * (c >> 1))))
                             words.append(at)
                             for r in range(2):
                                 d = rows * wg + 64 * mt + 16 * warp + (lane >> 2) + 8 * r
                                 assert at + r not in staged
                                 staged[at + r] = (8 * i + 2 * c + e, d)
-                        pairs = Counter((w % 32) // 2 for w in words)
-                        conflict_free &= max(pairs.values()) <= 2
+                        for half in (words[:16], words[16:]):
+                            pairs = Counter((w % 32) // 2 for w in half)
+                            conflict_free &= max(pairs.values()) == 1
     assert len(staged) == block_m * head_dim
     for pos, (q, d) in staged.items():
-        read = q * head_dim + 16 * ((d // 16) ^ ((q >> 1) & 1)) + (d // 8 % 2) + 2 * (d % 8)
+        read = (q * head_dim + 16 * ((d // 16) ^ ((q >> 1) & 1))
+                + ((2 * (d % 8) + d // 8 % 2) ^ (8 * ((q >> 2) & 1))))
         assert read == pos, (pos, q, d, read)
     return conflict_free
 

@@ -93,12 +93,13 @@ attn_bwd_post(const float* __restrict__ dQacc, const float* __restrict__ dQpart,
   };
   const long long at = (bh * seq_q + row) * HEAD_DIM + col;
   if (dQpart == nullptr && DQACC_TRANSPOSED) {
-    // Column col + j (j = 0..7) of 16-column group g = col / 16, half h: at 2 j + h of group
-    // g ^ ((row >> 1) & 1).
+    // Column col + j (j = 0..7) of 16-column group g = col / 16, half h: at (2 j + h) ^
+    // (8 ((row >> 2) & 1)) of group g ^ ((row >> 1) & 1).
     const float* slot = dQacc + (bh * seq_q + row) * HEAD_DIM +
                         16 * ((col / 16) ^ ((row >> 1) & 1)) + (col / 8 % 2);
+    const int half = 4 * ((row >> 2) & 1);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) x[j] = slot[2 * j];
+    for (int j = 0; j < 8; ++j) x[j] = slot[2 * (j ^ half)];
   } else if (dQpart == nullptr && DQACC_FRAGMENT) {
     // Columns col + 2 q + {0, 1} (q = 0..3) of 16-column group g = col / 16, half h: slot
     // g ^ (row & 1), values 4 q + 2 h + {0, 1} of it.
