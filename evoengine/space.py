@@ -323,7 +323,7 @@ class SearchSpace:
             yield dict(zip(self.parameters, values, strict=True))
 
     def admitted(self, problem: Mapping[str, object], arch: Arch) -> list[dict[str, object]]:
-        return [p for p in self.grid() if not self.violations(p, problem, arch)]
+        return list(self.iter_admitted(problem, arch))
 
     def iter_admitted(self, problem: Mapping[str, object], arch: Arch,
                       workload: Mapping[str, object] | None = None,
