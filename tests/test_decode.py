@@ -108,8 +108,8 @@ def test_cli_knows_the_kind() -> None:
 
 def test_points_from_before_l2_prefetch_and_merge_complete() -> None:
     """The probe's points (benchmarks/results/2026-11-24-h100-decode-probe.json) predate
-    L2_PREFETCH and MERGE, the L2 run's (2026-11-24-h100-decode-l2.json) MERGE, and every
-    point before 2026-11-27 PAGE_PREFETCH: they complete to the kernels they measured."""
+    L2_PREFETCH and MERGE, the L2 run's (2026-11-24-h100-decode-l2.json) MERGE: they
+    complete to the kernels they measured."""
     space = SearchSpace.load(SPACE)
     old = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
                SPLIT_POLICY="waves", SPLITS=1)
@@ -117,9 +117,7 @@ def test_points_from_before_l2_prefetch_and_merge_complete() -> None:
     assert space.complete(old)["MERGE"] == "atomic"
     assert space.complete(dict(old, L2_PREFETCH=256))["MERGE"] == "atomic"
     assert space.complete(old)["COMBINE"] == "kernel"
-    assert space.complete(old)["PAGE_PREFETCH"] == 0
-    assert space.legacy == {"L2_PREFETCH": 0, "MERGE": "atomic", "COMBINE": "kernel",
-                            "PAGE_PREFETCH": 0}
+    assert space.legacy == {"L2_PREFETCH": 0, "MERGE": "atomic", "COMBINE": "kernel"}
 
 
 def test_space_is_of_kind_decode() -> None:
@@ -190,8 +188,7 @@ def test_rows_of_no_power_of_two_copies_are_copied_by_index(arch: str, head_dim:
     block_n = 128 if threads == 256 else 64  # 16 keys a warp at least
     params = dict(BLOCK_N=block_n, BLOCK_M=16, NUM_WARPS=threads // 32, STAGES=2, VEC_BYTES=16,
                   L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=2,
-                  COMBINE="fused", PAGE_PREFETCH=4 if paged else 0)
-    space = space.with_untested()  # PAGE_PREFETCH 4 (the pages' registers on top of the copies')
+                  COMBINE="fused")
     assert not space.violations(params, problem_, target)
     cand = make_candidate(space, params, problem_, target)
     assert "constexpr bool COLUMNS = THREADS % ROW_VECS == 0;" in render(cand)
@@ -232,7 +229,7 @@ def test_merge_slices_fit_where_the_ring_does() -> None:
                     assert p["BLOCK_N"] == 16 * p["NUM_WARPS"], p  # type: ignore[operator]
     small = get_arch("sm_89")  # 99 KB: 8 slices of 32 x (256 + 8) floats do not fit
     big = dict(BLOCK_N=128, BLOCK_M=32, NUM_WARPS=8, STAGES=2, VEC_BYTES=16, L2_PREFETCH=0,
-               MERGE="slices", SPLIT_POLICY="waves", SPLITS=1, COMBINE="kernel", PAGE_PREFETCH=0)
+               MERGE="slices", SPLIT_POLICY="waves", SPLITS=1, COMBINE="kernel")
     bad = space.violations(big, {"HEAD_DIM": 256, "DTYPE": "fp16", "PAGED": True}, small)
     assert any("the warps' merge fits" in why for why in bad)
 
@@ -325,7 +322,7 @@ def test_plan_covers_ragged_and_own_length() -> None:
 
 DECODE_POINT = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
                     L2_PREFETCH=256, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
-                    COMBINE="kernel", PAGE_PREFETCH=0)
+                    COMBINE="kernel")
 
 
 def decode_store(db: object, arch: str, workloads: list[DecodeWorkload]) -> None:

@@ -9,11 +9,8 @@ timed over the same K/V pages with the block table
 - ``sorted``: each sequence's pages in ascending address order (same pages);
 - ``identity``: sequence b owns pages b*P .. b*P+P-1 in order, i.e. a contiguous cache;
 and the same points built for a contiguous cache, with SDPA cuDNN and flash on that cache,
-interleaved over ``--rounds``. ``--page-prefetch 0 2 4 8`` builds each paged point with each
-PAGE_PREFETCH (the shuffled table's best per value is reported as ``shuffled pfN``);
-``--tables`` keeps some of the three tables. If ``identity`` matches the contiguous build,
-the kernel's page arithmetic costs nothing and the gap is the shuffle (address translation or
-DRAM).
+interleaved over ``--rounds``. If ``identity`` matches the contiguous build, the kernel's
+page arithmetic costs nothing and the gap is the shuffle (address translation or DRAM).
 """
 
 from __future__ import annotations
@@ -48,12 +45,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rows", type=int, default=len(ROWS))
-    ap.add_argument("--page-prefetch", type=int, nargs="+", default=[0],
-                    help="PAGE_PREFETCH values: each paged point is built with each")
-    ap.add_argument("--tables", nargs="+", default=["shuffled", "sorted", "identity"])
     args = ap.parse_args()
     arch = arch_of_capability(*torch.cuda.get_device_capability())
-    space = SearchSpace.load(paths.SPACES / "decode.toml").with_untested()
+    space = SearchSpace.load(paths.SPACES / "decode.toml")
     problem = Decode()
     rows = []
     for batch, cache in ROWS[: args.rows]:
@@ -63,24 +57,21 @@ def main() -> None:
                                 cache_len=cache, layout="contiguous", page_size=0,
                                 dtype="fp16")
         kp, kc = [], []
-        todo = [(dict(p, PAGE_PREFETCH=pf), paged, kp) for p in POINTS
-                for pf in args.page_prefetch] + [(dict(p, PAGE_PREFETCH=0), contig, kc)
-                                                 for p in POINTS]
-        for p, w, out in todo:
-            k = DecodeKernel.build(make_candidate(space, space.complete(p), w.problem(), arch),
-                                   arch)
-            verdict = problem.check(k, w)
-            if not verdict.ok:
-                print("refused", k.name, verdict.reason, flush=True)
-                continue
-            out.append(k)
+        for p in POINTS:
+            for w, out in ((paged, kp), (contig, kc)):
+                p2 = space.complete(p)
+                k = DecodeKernel.build(make_candidate(space, p2, w.problem(), arch), arch)
+                verdict = problem.check(k, w)
+                if not verdict.ok:
+                    print("refused", k.name, verdict.reason, flush=True)
+                    continue
+                out.append(k)
         sets = problem.inputs(paged)
         per_seq = cache // 64
+        tables = {"shuffled": [s[4] for s in sets]}
+        tables["sorted"] = [torch.sort(s[4], dim=1).values.contiguous() for s in sets]
         ident = torch.arange(batch * per_seq, device="cuda", dtype=torch.int32)
-        tables = {"shuffled": [s[4] for s in sets],
-                  "sorted": [torch.sort(s[4], dim=1).values.contiguous() for s in sets],
-                  "identity": [ident.reshape(batch, per_seq).contiguous() for _ in sets]}
-        tables = {k: v for k, v in tables.items() if k in args.tables}
+        tables["identity"] = [ident.reshape(batch, per_seq).contiguous() for _ in sets]
         csets = problem.inputs(contig)
         t: dict[str, list[float]] = {}
         for _ in range(args.rounds):
@@ -99,12 +90,7 @@ def main() -> None:
                     t.setdefault(f"sdpa_{a}", []).append(r.median_us)
         med = {k: statistics.median(v) for k, v in t.items()}
         best = {mode: min(v for k, v in med.items() if k.startswith(mode + " "))
-                for mode in (*tables, "contiguous")}
-        for pf in args.page_prefetch:  # the shuffled table's best per PAGE_PREFETCH
-            mine = [v for k, v in med.items()
-                    if k.startswith("shuffled ") and f"-page_prefetch{pf}-" in k]
-            if mine and len(args.page_prefetch) > 1:
-                best[f"shuffled pf{pf}"] = min(mine)
+                for mode in ("shuffled", "sorted", "identity", "contiguous")}
         anchor = min(v for k, v in med.items() if k.startswith("sdpa_"))
         row = dict(batch=batch, cache_len=cache, best_us=best, best_anchor_us=anchor,
                    vs_anchor={m: anchor / v for m, v in best.items()}, points_us=med)
@@ -116,7 +102,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         doc = header(**local_device(),
                      method=f"{measure.METHOD}; {args.rounds} rounds interleaved, median of "
-                            "the rounds' medians; the same K/V pages under several tables",
+                            "the rounds' medians; the same K/V pages under three tables",
                      summary=f"{len(rows)} rows", rows=rows)
         args.out.write_text(json.dumps(doc, indent=1))
 

@@ -27,24 +27,18 @@ from evoengine.runtime import gpu_arch
 from evoengine.space import SearchSpace
 
 # Hand-picked points: one split and many, every tile and ring depth, both copy widths, one
-# and two m16 row tiles, 2 to 8 warps, each L2 prefetch hint, pages prefetched 0 to 8 tiles
-# ahead (over a paged cache; a contiguous one takes 0); each is built with both MERGE values
-# (the test's parameter).
+# and two m16 row tiles, 2 to 8 warps, each L2 prefetch hint; each is built with both MERGE
+# values (the test's parameter).
 POINTS = [
     dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=4, VEC_BYTES=16, L2_PREFETCH=256,
-         SPLIT_POLICY="waves", SPLITS=2, PAGE_PREFETCH=2),
+         SPLIT_POLICY="waves", SPLITS=2),
     dict(BLOCK_N=32, BLOCK_M=32, NUM_WARPS=2, STAGES=2, VEC_BYTES=8, L2_PREFETCH=128,
-         SPLIT_POLICY="fixed", SPLITS=1, PAGE_PREFETCH=8),
+         SPLIT_POLICY="fixed", SPLITS=1),
     dict(BLOCK_N=128, BLOCK_M=16, NUM_WARPS=8, STAGES=3, VEC_BYTES=16, L2_PREFETCH=0,
-         SPLIT_POLICY="fixed", SPLITS=32, PAGE_PREFETCH=0),
+         SPLIT_POLICY="fixed", SPLITS=32),
     dict(BLOCK_N=256, BLOCK_M=16, NUM_WARPS=4, STAGES=2, VEC_BYTES=16, L2_PREFETCH=256,
-         SPLIT_POLICY="waves", SPLITS=4, PAGE_PREFETCH=4),
+         SPLIT_POLICY="waves", SPLITS=4),
 ]
-
-
-def as_built(p: dict, paged: bool, **more: object) -> dict:
-    """Point ``p`` for a paged or contiguous cache (no pages to prefetch in the latter)."""
-    return dict(p, **more, PAGE_PREFETCH=p["PAGE_PREFETCH"] if paged else 0)
 # (lengths, q_len, heads, kv_heads, page_size)
 CASES = [
     ((0, 3, 700, 1531), 4, 8, 2, 64),    # ragged, a sequence with no key, queries with none
@@ -65,7 +59,7 @@ def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
             combine: str = "kernel") -> list[DecodeKernel]:
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
-    points = [as_built(p, paged, MERGE=merge, COMBINE=combine) for p in POINTS]
+    points = [dict(p, MERGE=merge, COMBINE=combine) for p in POINTS]
     cands: list[Candidate] = [make_candidate(space(), p, problem, arch) for p in points
                               if not space().violations(p, problem, arch)]
     return [DecodeKernel(c, r) for c, r in zip(cands, compile_many(cands, arch), strict=True)]
@@ -100,7 +94,7 @@ def other_kernels(head_dim: int, paged: bool, combine: str) -> list[DecodeKernel
     without spills."""
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE="bf16", PAGED=paged)
-    points = [as_built(p, paged, MERGE="slices", COMBINE=combine) for p in POINTS]
+    points = [dict(p, MERGE="slices", COMBINE=combine) for p in POINTS]
     points = [p for p in points if not space().violations(p, problem, arch)]
     drawn = [p for p in space().admitted(problem, arch)
              if p["MERGE"] == "slices" and p["COMBINE"] == combine]
@@ -175,39 +169,6 @@ def test_the_fused_combine_is_the_combine_kernel_bit_for_bit() -> None:
             out_k = kernel(q, k, v, lens, table, lse=lse_k)
             assert torch.equal(out_f, out_k), (fused.name, lengths)
             assert torch.equal(lse_f, lse_k), (fused.name, lengths)
-
-
-def test_page_prefetch_changes_no_bit() -> None:
-    """A point that prefetches pages gives its twin without (PAGE_PREFETCH 0) bit for bit, over
-    ragged lengths (0, one page and a key, 5000) whose block-table entries past them are -1,
-    with pages smaller than, equal to and larger than a tile, one split and many."""
-    arch = gpu_arch()
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    problem = dict(HEAD_DIM=128, DTYPE="fp16", PAGED=True)
-    lengths = [0, 1, 63, 64, 65, 5000, 777]
-    pairs = 0
-    for p in POINTS:
-        if not p["PAGE_PREFETCH"]:
-            continue
-        twins = [dict(p, MERGE="slices", COMBINE="fused", PAGE_PREFETCH=x)
-                 for x in (p["PAGE_PREFETCH"], 0)]
-        if any(space().violations(t, problem, arch) for t in twins):
-            continue
-        cands = [make_candidate(space(), t, problem, arch) for t in twins]
-        with_pf, without = (DecodeKernel(c, r) for c, r in
-                            zip(cands, compile_many(cands, arch), strict=True))
-        for page in (16, 64, 256):
-            cap = -(-max(lengths) // page) * page
-            k, v, lens, table = validate.decode_cache(len(lengths), lengths, cap, 8, 128,
-                                                      torch.float16, paged=True,
-                                                      page_size=page, gen=gen, device="cuda")
-            q = torch.randn(len(lengths), 1, 32, 128, device="cuda", dtype=torch.float16,
-                            generator=gen)
-            a, b = with_pf(q, k, v, lens, table), without(q, k, v, lens, table)
-            assert not a[lens > 0].isnan().any(), (with_pf.name, page)
-            assert torch.equal(a, b), (with_pf.name, page)
-        pairs += 1
-    assert pairs >= 2
 
 
 def test_the_fused_combine_replays_in_a_cuda_graph_and_on_two_streams() -> None:
