@@ -233,7 +233,8 @@ def test_out_of_domain_and_missing_parameters_are_explained() -> None:
 # that builds the kernel as it was then (the commits that added them are in the TOMLs).
 LEGACY = {
     "mma": {"LAZY_RESCALE": False, "MIN_BLOCKS": 1, "PIPELINE": "split"},
-    "wgmma": {"TILE_ORDER": "head", "SCHEDULER": "static", "PACK_GQA": False},
+    "wgmma": {"TILE_ORDER": "head", "SCHEDULER": "static", "PACK_GQA": False,
+              "P_BARRIER": "warpgroup"},
     "wmma": {},
 }
 WGMMA_BEFORE = dict(BLOCK_M=128, BLOCK_N=96, STAGES=2, SWIZZLE=128, P_FROM="regs",
@@ -249,10 +250,10 @@ def test_complete_fills_legacy_values_in_declared_order() -> None:
     space = shipped("wgmma")
     sm90 = get_arch("sm_90a")
     assert space.violations(WGMMA_BEFORE, WGMMA_CAUSAL, sm90) == [
-        "missing parameters ['PACK_GQA', 'SCHEDULER', 'TILE_ORDER']"]
+        "missing parameters ['PACK_GQA', 'P_BARRIER', 'SCHEDULER', 'TILE_ORDER']"]
     done = space.complete(WGMMA_BEFORE)
     assert done == {**WGMMA_BEFORE, "TILE_ORDER": "head", "SCHEDULER": "static",
-                    "PACK_GQA": False}
+                    "PACK_GQA": False, "P_BARRIER": "warpgroup"}
     assert list(done) == list(space.parameters)
     assert space.violations(done, WGMMA_CAUSAL, sm90) == []
     # A stored value wins over the legacy one; a complete point comes back as it was.

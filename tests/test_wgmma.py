@@ -45,7 +45,7 @@ from evoengine.space import SearchSpace, default_spaces, spread
 SM90 = get_arch("sm_90a")
 BASE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-            SCHEDULER="static", PACK_GQA=False)
+            SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup")
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 SPREAD = 16  # compiled points: two per default problem
@@ -105,7 +105,7 @@ def test_space_targets_sm90a_only() -> None:
     assert sp.archs == ("sm_90a",)
     assert list(sp.parameters) == ["BLOCK_M", "BLOCK_N", "STAGES", "SWIZZLE", "P_FROM",
                                    "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER",
-                                   "SCHEDULER", "PACK_GQA"]
+                                   "SCHEDULER", "PACK_GQA", "P_BARRIER"]
     for arch in ("sm_80", "sm_86", "sm_89"):
         target = get_arch(arch)
         assert sp.violations(BASE, HD64, target) == [f"family wgmma does not target {arch}"]
@@ -181,6 +181,8 @@ CONSTRAINT_CASES = [
     ("SCHEDULER == 'static' or PERSISTENT", {"SCHEDULER": "dynamic"}, HD128, SM90, {}),
     ("SCHEDULER == 'static' or CAUSAL", dict(SCHEDULER="dynamic", PERSISTENT=True), HD64, SM90,
      {}),
+    ("P_BARRIER == 'warpgroup' or (P_FROM == 'smem' and PINGPONG)", {"P_BARRIER": "turn"}, HD64,
+     SM90, {"P_BARRIER": "turn"}),
 ]
 
 
