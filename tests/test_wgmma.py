@@ -45,7 +45,7 @@ from evoengine.space import SearchSpace, default_spaces, spread
 SM90 = get_arch("sm_90a")
 BASE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-            SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup")
+            SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q")
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 SPREAD = 16  # compiled points: two per default problem
@@ -105,7 +105,7 @@ def test_space_targets_sm90a_only() -> None:
     assert sp.archs == ("sm_90a",)
     assert list(sp.parameters) == ["BLOCK_M", "BLOCK_N", "STAGES", "SWIZZLE", "P_FROM",
                                    "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER",
-                                   "SCHEDULER", "PACK_GQA", "P_BARRIER"]
+                                   "SCHEDULER", "PACK_GQA", "P_BARRIER", "O_STAGE"]
     for arch in ("sm_80", "sm_86", "sm_89"):
         target = get_arch(arch)
         assert sp.violations(BASE, HD64, target) == [f"family wgmma does not target {arch}"]
@@ -155,6 +155,28 @@ def test_persistent_blocks_stage_o_apart_where_it_fits() -> None:
                                          smem_bytes=c.smem_bytes))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_untested_values_build_at_the_d128_winners_tile(causal: bool) -> None:
+    """P_BARRIER "turn" and O_STAGE "p" at the 192 x 128 tile with P through shared memory
+    (the d128 winners', persistent for O_STAGE): no spill, and the turn drops the warpgroup's
+    barrier after each write of P (one BAR.SYNC fewer in the SASS per write)."""
+    sp = space().with_untested()
+    problem = {**HD128, "CAUSAL": causal}
+    point = {**BASE, "BLOCK_M": 192, "P_FROM": "smem", "PINGPONG": True, "PERSISTENT": True}
+    built = {}
+    for name, extra in (("legacy", {}), ("turn", {"P_BARRIER": "turn"}),
+                        ("p", {"O_STAGE": "p"}), ("both", {"P_BARRIER": "turn", "O_STAGE": "p"})):
+        c = make_candidate(sp, {**point, **extra}, problem, SM90)
+        r = compile_source(render(c), SM90, c.defines(SM90), identity=c.identity,
+                           smem_bytes=c.smem_bytes)
+        check_compiled(c, r)
+        built[name] = r
+    assert space().env({**point}, problem, SM90)["O_BYTES"] == 0  # no room of its own for O
+    if CUOBJDUMP is not None:
+        bars = {k: sass_opcodes(r.cubin or b"").count("BAR") for k, r in built.items()}
+        assert bars["turn"] < bars["legacy"] and bars["both"] < bars["p"], bars
+
+
 def test_dynamic_scheduler_adds_its_tile_slot() -> None:
     """The slot naming each tile to the consumers: 16 bytes next to the mbarriers, only when
     dynamic; the kernel static_asserts the same size (compiled below)."""
@@ -183,6 +205,8 @@ CONSTRAINT_CASES = [
      {}),
     ("P_BARRIER == 'warpgroup' or (P_FROM == 'smem' and PINGPONG)", {"P_BARRIER": "turn"}, HD64,
      SM90, {"P_BARRIER": "turn"}),
+    ("O_STAGE == 'own_or_q' or (PERSISTENT and P_FROM == 'smem' and BLOCK_N >= HEAD_DIM and "
+     "O_BYTES == 0)", {"O_STAGE": "p"}, HD64, SM90, {"O_STAGE": "p"}),
 ]
 
 

@@ -25,8 +25,8 @@ def wgmma_point(**override: object) -> dict[str, object]:
     ping-pong, one block per tile, per-head order, static schedule; with ``override``."""
     return {**dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
                    INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-                   SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup"),
-            **override}
+                   SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup",
+                   O_STAGE="own_or_q"), **override}
 
 
 # Hand-picked points spanning each family's parameters (stages, swizzle, Q placement,
@@ -249,37 +249,57 @@ def test_wgmma_packed_gqa(problem: dict, idx: int) -> None:
         assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
 
 
-# P_BARRIER "turn": P in shared memory ordered before its P.V by the ping-pong turn barrier
-# alone (no barrier of the warpgroup after the stmatrix): two and three consumers, with and
-# without overlap, swizzles of 32 to 128 bytes, persistent with the dynamic scheduler.
-P_BY_TURN = [
-    wgmma_point(BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem", INTRA_WG_OVERLAP=False,
-                PINGPONG=True, PERSISTENT=True, P_BARRIER="turn"),
-    wgmma_point(BLOCK_N=96, SWIZZLE=32, P_FROM="smem", PINGPONG=True, P_BARRIER="turn"),
-    wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, P_BARRIER="turn"),
-    wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic",
-                P_BARRIER="turn"),
+# Values under [untested], each with the twin that differs only there (the legacy value): the
+# same arithmetic, so the same bits. P_BARRIER "turn": P in shared memory ordered before its
+# P.V by the ping-pong turn barrier alone; two and three consumers, with and without overlap,
+# swizzles of 32 to 128 bytes, persistent with the dynamic scheduler. O_STAGE "p": a persistent
+# block stages O in each consumer's P tile and hands Q back after the last S GEMM; with and
+# without ping-pong, with the turn barrier, the dynamic scheduler, packed GQA heads.
+UNTESTED_TWINS = [
+    (wgmma_point(BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem", INTRA_WG_OVERLAP=False,
+                 PINGPONG=True, PERSISTENT=True, P_BARRIER="turn"), {"P_BARRIER": "warpgroup"}),
+    (wgmma_point(BLOCK_N=96, SWIZZLE=32, P_FROM="smem", PINGPONG=True, P_BARRIER="turn"),
+     {"P_BARRIER": "warpgroup"}),
+    (wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, P_BARRIER="turn"),
+     {"P_BARRIER": "warpgroup"}),
+    (wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True,
+                 SCHEDULER="dynamic", P_BARRIER="turn"), {"P_BARRIER": "warpgroup"}),
+    (wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True, O_STAGE="p"),
+     {"O_STAGE": "own_or_q"}),
+    (wgmma_point(BLOCK_M=192, P_FROM="smem", PERSISTENT=True, O_STAGE="p"),
+     {"O_STAGE": "own_or_q"}),
+    (wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True, P_BARRIER="turn",
+                 O_STAGE="p"), {"O_STAGE": "own_or_q", "P_BARRIER": "warpgroup"}),
+    (wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True,
+                 SCHEDULER="dynamic", O_STAGE="p"), {"O_STAGE": "own_or_q"}),
+    (wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True, PACK_GQA=True,
+                 O_STAGE="p"), {"O_STAGE": "own_or_q"}),
 ]
+# Many more tiles than SMs: a persistent block runs tile after tile (its Q, P and O reused).
+MANY_TILES = (4, 64, 8, 700, 700, "bhsd")
 
 
-@pytest.mark.parametrize("idx", range(len(P_BY_TURN)))
+@pytest.mark.parametrize("idx", range(len(UNTESTED_TWINS)))
 @pytest.mark.parametrize("problem", PROBLEMS, ids=problem_id)
-def test_wgmma_p_ordered_by_the_turn(problem: dict, idx: int) -> None:
-    """The criterion on every shape, then the same bits as the twin with the warpgroup's
-    barrier over five calls on a long sequence (a race on P would differ somewhere)."""
+def test_wgmma_untested_value_is_its_twin(problem: dict, idx: int) -> None:
+    """The criterion on every shape and on many tiles per block, then the same bits as the
+    twin over five calls (a race on P, Q or O would differ somewhere)."""
     need_family("wgmma")
     sp, arch = space("wgmma").with_untested(), gpu_arch()
-    point = P_BY_TURN[idx]
+    point, legacy = UNTESTED_TWINS[idx]
     if sp.violations(point, problem, arch):
         pytest.skip("not admitted for this problem")
     kernel, twin = build([make_candidate(sp, point, problem, arch),
-                          make_candidate(sp, {**point, "P_BARRIER": "warpgroup"}, problem, arch)])
-    for shape in SHAPES:
+                          make_candidate(sp, {**point, **legacy}, problem, arch)])
+    for shape in (*SHAPES, MANY_TILES):
         verdict = run_check(kernel, shape)
         assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
     gen = torch.Generator(device="cuda").manual_seed(idx)
-    q, k, v = (torch.randn(2, 8, 2000, problem["HEAD_DIM"], generator=gen, device="cuda")
-               .to(TORCH_DTYPE[problem["DTYPE"]]) for _ in range(3))
+    b, h, hkv, sq, sk, _ = MANY_TILES
+    dtype = TORCH_DTYPE[problem["DTYPE"]]
+    q = torch.randn(b, h, sq, problem["HEAD_DIM"], generator=gen, device="cuda").to(dtype)
+    k, v = (torch.randn(b, hkv, sk, problem["HEAD_DIM"], generator=gen, device="cuda").to(dtype)
+            for _ in range(2))
     want = twin(q, k, v)
     for _ in range(5):
         assert torch.equal(kernel(q, k, v), want), kernel.candidate.identity

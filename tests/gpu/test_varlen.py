@@ -28,8 +28,8 @@ MMA_POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q
 def wgmma_point(**override: object) -> dict[str, object]:
     return {**dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
                    INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-                   SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup"),
-            **override}
+                   SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup",
+                   O_STAGE="own_or_q"), **override}
 
 
 # One to three consumer warpgroups, ping-pong, a persistent grid with each scheduler and tile
