@@ -88,11 +88,15 @@ def main() -> None:
     ap.add_argument("--points", type=Path, help="JSON {family, workloads: {text: [params]}}")
     ap.add_argument("--keep", type=int, default=4, help="fastest N re-timed interleaved")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--untested", action="store_true",
+                    help="admit the spaces' [untested] values (the points file names them)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
     points_file = json.loads(args.points.read_text()) if args.points else None
     spaces = default_spaces()
+    if args.untested:  # e.g. twins of a value whose GPU tests passed in the same call
+        spaces = [s.with_untested() for s in spaces]
     rows, info = [], None
 
     def write() -> None:  # after every row: a run cut short keeps what it measured
