@@ -104,6 +104,28 @@ def test_packed_gqa_ragged_batches(causal: bool) -> None:
             assert v.ok, f"{kernel.name} H{heads}/{kv} strided={strided}: {v.reason}"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_untested_values_on_ragged_batches(causal: bool) -> None:
+    """wgmma's [untested] values on ragged batches: the 192 x 128 d128 tile, persistent, O in
+    the P tile (O_STAGE "p") with and without P ordered by the turn barrier (P_BARRIER "turn"):
+    24 sequences up to 2K tokens (many tiles per block), GQA 32/8, and the ragged set strided."""
+    if "wgmma" not in families():
+        pytest.skip("wgmma needs sm_90a")
+    sp = SearchSpace.load(paths.SPACES / "wgmma.toml").with_untested()
+    problem = dict(HEAD_DIM=128, DTYPE="bf16", CAUSAL=causal, VARLEN=True)
+    base = wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True,
+                       SCHEDULER="dynamic" if causal else "static", O_STAGE="p")
+    points = [base, {**base, "P_BARRIER": "turn"}]
+    assert not any(sp.violations(p, problem, gpu_arch()) for p in points)
+    lengths, _ = parse_seqlens("random:24:64:2048:1")
+    for kernel in kernels([make_candidate(sp, p, problem, gpu_arch()) for p in points]):
+        for seqlens, heads, kv, strided in ((lengths, 32, 8, False), (RAGGED, 8, 2, True)):
+            v = validate.check_varlen(kernel, seqlens=seqlens, heads=heads, kv_heads=kv,
+                                      head_dim=128, causal=causal, dtype=torch.bfloat16,
+                                      strided=strided)
+            assert v.ok, f"{kernel.name} H{heads}/{kv} strided={strided}: {v.reason}"
+
+
 @pytest.mark.parametrize("pack", [False, True])
 def test_dynamic_counter_is_fresh_per_launch(pack: bool) -> None:
     """The ragged kernel's tile counter is the launcher's, zeroed per launch on the launch's
