@@ -20,16 +20,10 @@ from evoengine.problems.varlen import VarlenWorkload, parse_seqlens
 from evoengine.render import Candidate, make_candidate
 from evoengine.runtime import VarlenKernel, gpu_arch
 from evoengine.space import SearchSpace
+from tests.gpu.test_kernels import wgmma_point
 
 MMA_POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q_IN_REGS=True,
                  LAZY_RESCALE=False, MIN_BLOCKS=1, PIPELINE="split")
-
-
-def wgmma_point(**override: object) -> dict[str, object]:
-    return {**dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
-                   INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-                   SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup",
-                   O_STAGE="own_or_q"), **override}
 
 
 # One to three consumer warpgroups, ping-pong, a persistent grid with each scheduler and tile
