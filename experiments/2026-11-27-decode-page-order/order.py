@@ -8,9 +8,15 @@ timed over the same K/V pages with the block table
 - ``shuffled``: the pages dealt in a random order (the benchmark's and the criterion's table);
 - ``sorted``: each sequence's pages in ascending address order (same pages);
 - ``identity``: sequence b owns pages b*P .. b*P+P-1 in order, i.e. a contiguous cache;
+- ``chunks`` (``--tables``): identity's pages moved as runs of 16 (2 MB of K or V at d128, 8
+  KV heads, pages of 64), the runs dealt in a random order: each 2 MB read in order;
+- ``local``: identity's pages dealt in a random order inside each run of 16: the sequence
+  stays in its 2 MB regions, the order within them is random;
 and the same points built for a contiguous cache, with SDPA cuDNN and flash on that cache,
 interleaved over ``--rounds``. If ``identity`` matches the contiguous build, the kernel's
 page arithmetic costs nothing and the gap is the shuffle (address translation or DRAM).
+If ``chunks`` matches identity and ``local`` the shuffle, the order inside 2 MB costs (DRAM);
+the other way round, the number of 2 MB regions a sequence crosses (translation).
 """
 
 from __future__ import annotations
@@ -44,20 +50,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--rows", type=int, default=len(ROWS))
+    ap.add_argument("--rows", type=int, nargs="*", default=list(range(len(ROWS))),
+                    help="indices into ROWS")
+    ap.add_argument("--points", type=int, nargs="*", default=list(range(len(POINTS))),
+                    help="indices into POINTS")
+    ap.add_argument("--tables", default="shuffled,sorted,identity",
+                    help="of shuffled, sorted, identity, chunks, local")
     args = ap.parse_args()
     arch = arch_of_capability(*torch.cuda.get_device_capability())
     space = SearchSpace.load(paths.SPACES / "decode.toml")
     problem = Decode()
     rows = []
-    for batch, cache in ROWS[: args.rows]:
+    modes = args.tables.split(",")
+    for batch, cache in [ROWS[i] for i in args.rows]:
         paged = DecodeWorkload(batch=batch, q_len=1, q_heads=32, kv_heads=8, head_dim=128,
                                cache_len=cache, layout="paged", page_size=64, dtype="fp16")
         contig = DecodeWorkload(batch=batch, q_len=1, q_heads=32, kv_heads=8, head_dim=128,
                                 cache_len=cache, layout="contiguous", page_size=0,
                                 dtype="fp16")
         kp, kc = [], []
-        for p in POINTS:
+        for p in [POINTS[i] for i in args.points]:
             for w, out in ((paged, kp), (contig, kc)):
                 p2 = space.complete(p)
                 k = DecodeKernel.build(make_candidate(space, p2, w.problem(), arch), arch)
@@ -72,6 +84,19 @@ def main() -> None:
         tables["sorted"] = [torch.sort(s[4], dim=1).values.contiguous() for s in sets]
         ident = torch.arange(batch * per_seq, device="cuda", dtype=torch.int32)
         tables["identity"] = [ident.reshape(batch, per_seq).contiguous() for _ in sets]
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        run = 16
+        n = batch * per_seq
+        assert n % run == 0
+        runs = torch.randperm(n // run, generator=gen)
+        chunks = (runs[:, None] * run + torch.arange(run)).reshape(-1)
+        local = torch.cat([r * run + torch.randperm(run, generator=gen)
+                           for r in range(n // run)])
+        tables["chunks"] = [chunks.to("cuda", torch.int32).reshape(batch, per_seq)
+                            .contiguous() for _ in sets]
+        tables["local"] = [local.to("cuda", torch.int32).reshape(batch, per_seq).contiguous()
+                           for _ in sets]
+        tables = {m: tables[m] for m in modes}
         csets = problem.inputs(contig)
         t: dict[str, list[float]] = {}
         for _ in range(args.rounds):
@@ -90,7 +115,7 @@ def main() -> None:
                     t.setdefault(f"sdpa_{a}", []).append(r.median_us)
         med = {k: statistics.median(v) for k, v in t.items()}
         best = {mode: min(v for k, v in med.items() if k.startswith(mode + " "))
-                for mode in ("shuffled", "sorted", "identity", "contiguous")}
+                for mode in (*modes, "contiguous")}
         anchor = min(v for k, v in med.items() if k.startswith("sdpa_"))
         row = dict(batch=batch, cache_len=cache, best_us=best, best_anchor_us=anchor,
                    vs_anchor={m: anchor / v for m, v in best.items()}, points_us=med)
