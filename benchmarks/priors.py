@@ -34,12 +34,16 @@ KEEP = 2
 RESULTS = paths.ROOT / "benchmarks" / "results"
 # (arch, reader, results file): the H100 re-times that hold each kind's best known points.
 SOURCES = [
+    ("sm_90a", "retimed", "2026-11-27-h100-wgmma-fa3-levers.json"),
     ("sm_90a", "retimed", "2026-11-24-h100-wgmma-retime-fa4.json"),
     ("sm_90a", "retimed", "2026-11-25-h100-varlen-pack-gqa.json"),
     ("sm_90a", "retimed", "2026-11-25-h100-varlen-all-points.json"),
     ("sm_90a", "bwd_points", "2026-11-25-h100-train-step-fa4.json"),
     ("sm_90a", "points_us", "2026-11-25-h100-decode-fused.json"),
     ("sm_90a", "points_us", "2026-11-25-h100-decode-q4-h64-bm32.json"),
+    ("sm_90a", "points_us", "2026-11-27-h100-decode-q1-h64-paged.json"),
+    ("sm_90a", "points_us", "2026-11-27-h100-decode-q1-h64-contig.json"),
+    ("sm_90a", "points_us", "2026-11-27-h100-decode-q4-b1.json"),
     ("sm_90a", "cell_ids", "2026-11-25-h100-cell-kernels.json"),
 ]
 

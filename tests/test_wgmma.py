@@ -156,7 +156,7 @@ def test_persistent_blocks_stage_o_apart_where_it_fits() -> None:
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_untested_values_build_at_the_d128_winners_tile(causal: bool) -> None:
+def test_p_barrier_and_o_stage_build_at_the_d128_winners_tile(causal: bool) -> None:
     """P_BARRIER "turn" and O_STAGE "p" at the 192 x 128 tile with P through shared memory
     (the d128 winners', persistent for O_STAGE): no spill, and the turn drops the warpgroup's
     barrier after each write of P (one BAR.SYNC fewer in the SASS per write)."""

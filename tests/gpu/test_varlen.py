@@ -99,10 +99,11 @@ def test_packed_gqa_ragged_batches(causal: bool) -> None:
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_untested_values_on_ragged_batches(causal: bool) -> None:
-    """wgmma's [untested] values on ragged batches: the 192 x 128 d128 tile, persistent, O in
-    the P tile (O_STAGE "p") with and without P ordered by the turn barrier (P_BARRIER "turn"):
-    24 sequences up to 2K tokens (many tiles per block), GQA 32/8, and the ragged set strided."""
+def test_p_barrier_and_o_stage_on_ragged_batches(causal: bool) -> None:
+    """wgmma's P_BARRIER and O_STAGE values on ragged batches: the 192 x 128 d128 tile,
+    persistent, O in the P tile (O_STAGE "p") with and without P ordered by the turn barrier
+    (P_BARRIER "turn"): 24 sequences up to 2K tokens (many tiles per block), GQA 32/8, and the
+    ragged set strided."""
     if "wgmma" not in families():
         pytest.skip("wgmma needs sm_90a")
     sp = SearchSpace.load(paths.SPACES / "wgmma.toml").with_untested()
