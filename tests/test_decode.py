@@ -117,7 +117,9 @@ def test_points_from_before_l2_prefetch_and_merge_complete() -> None:
     assert space.complete(old)["MERGE"] == "atomic"
     assert space.complete(dict(old, L2_PREFETCH=256))["MERGE"] == "atomic"
     assert space.complete(old)["COMBINE"] == "kernel"
-    assert space.legacy == {"L2_PREFETCH": 0, "MERGE": "atomic", "COMBINE": "kernel"}
+    assert space.complete(old)["COMBINE_ITEMS"] == 1
+    assert space.legacy == {"L2_PREFETCH": 0, "MERGE": "atomic", "COMBINE": "kernel",
+                            "COMBINE_ITEMS": 1}
 
 
 def test_space_is_of_kind_decode() -> None:
@@ -133,11 +135,13 @@ def test_space_is_of_kind_decode() -> None:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("merge, combine", [("slices", "kernel"), ("atomic", "kernel"),
-                                            ("slices", "fused")])
+@pytest.mark.parametrize("merge, combine, items", [
+    ("slices", "kernel", 1), ("atomic", "kernel", 1), ("slices", "fused", 1),
+    ("slices", "fused", 4), ("slices", "fused", 8)])
 def test_compiles_offline_without_spills(arch: str, paged: bool, merge: str,
-                                         combine: str) -> None:
-    """Both merges and both combines compile without spills or local memory; where cuobjdump
+                                         combine: str, items: int) -> None:
+    """Both merges and both combines (fused: 1, 4 or 8 quads a thread at once) compile without
+    spills or local memory; where cuobjdump
     is found, the atomic merge is a CAS loop (ATOMS.CAST.SPIN) per value a thread adds, 2 x
     BLOCK_M / 16 x HEAD_DIM / 8 of them, and the slices merge has no shared atomic at all; the
     fused combine adds one global atomic (the count) and its two fences to the main kernel,
@@ -152,13 +156,15 @@ def test_compiles_offline_without_spills(arch: str, paged: bool, merge: str,
         (64, "bf16", dict(BLOCK_N=32, BLOCK_M=32, NUM_WARPS=2, STAGES=3, VEC_BYTES=8,
                           L2_PREFETCH=128, SPLIT_POLICY="fixed", SPLITS=8)),
     ]:
-        params = space.complete(dict(params, MERGE=merge, COMBINE=combine))
+        params = space.complete(dict(params, MERGE=merge, COMBINE=combine,
+                                     COMBINE_ITEMS=items))
         problem_ = {"HEAD_DIM": head_dim, "DTYPE": dtype, "PAGED": paged}
         cand = make_candidate(space, params, problem_, target)
         source = render(cand)
         assert "attn_decode_combine" in source and f"PAGED = {str(paged).lower()}" in source
         assert f"MERGE_SLICES = {str(merge == 'slices').lower()}" in source
         assert f"COMBINE_FUSED = {str(combine == 'fused').lower()}" in source
+        assert f"COMBINE_ITEMS = {items};" in source
         result = compile_candidate(cand, target)
         assert result.ok, result.error
         assert result.spill_bytes == 0, f"{cand.identity} spills on {arch}"
@@ -188,7 +194,7 @@ def test_rows_of_no_power_of_two_copies_are_copied_by_index(arch: str, head_dim:
     block_n = 128 if threads == 256 else 64  # 16 keys a warp at least
     params = dict(BLOCK_N=block_n, BLOCK_M=16, NUM_WARPS=threads // 32, STAGES=2, VEC_BYTES=16,
                   L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=2,
-                  COMBINE="fused")
+                  COMBINE="fused", COMBINE_ITEMS=1)
     assert not space.violations(params, problem_, target)
     cand = make_candidate(space, params, problem_, target)
     assert "constexpr bool COLUMNS = THREADS % ROW_VECS == 0;" in render(cand)
@@ -219,7 +225,8 @@ def test_merge_slices_fit_where_the_ring_does() -> None:
             kernel = [p for p in admitted if p["COMBINE"] == "kernel"]  # fused: slices only
             slices = [p for p in kernel if p["MERGE"] == "slices"]
             atomic = [dict(p, MERGE="slices") for p in kernel if p["MERGE"] == "atomic"]
-            fused = [dict(p, COMBINE="kernel") for p in admitted if p["COMBINE"] == "fused"]
+            fused = [dict(p, COMBINE="kernel") for p in admitted
+                     if p["COMBINE"] == "fused" and p["COMBINE_ITEMS"] == 1]
             assert fused == slices and all(p["MERGE"] == "slices" for p in fused)
             assert slices and slices == atomic, (arch, head_dim)
             for p in slices:
@@ -229,7 +236,8 @@ def test_merge_slices_fit_where_the_ring_does() -> None:
                     assert p["BLOCK_N"] == 16 * p["NUM_WARPS"], p  # type: ignore[operator]
     small = get_arch("sm_89")  # 99 KB: 8 slices of 32 x (256 + 8) floats do not fit
     big = dict(BLOCK_N=128, BLOCK_M=32, NUM_WARPS=8, STAGES=2, VEC_BYTES=16, L2_PREFETCH=0,
-               MERGE="slices", SPLIT_POLICY="waves", SPLITS=1, COMBINE="kernel")
+               MERGE="slices", SPLIT_POLICY="waves", SPLITS=1, COMBINE="kernel",
+               COMBINE_ITEMS=1)
     bad = space.violations(big, {"HEAD_DIM": 256, "DTYPE": "fp16", "PAGED": True}, small)
     assert any("the warps' merge fits" in why for why in bad)
 
@@ -322,7 +330,7 @@ def test_plan_covers_ragged_and_own_length() -> None:
 
 DECODE_POINT = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
                     L2_PREFETCH=256, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
-                    COMBINE="kernel")
+                    COMBINE="kernel", COMBINE_ITEMS=1)
 
 
 def decode_store(db: object, arch: str, workloads: list[DecodeWorkload]) -> None:

@@ -5,7 +5,8 @@ everything past a sequence's length NaN, ragged lengths with 0 and queries that 
 lengths no multiple of a tile or a page, GQA 32/8 and 64/8 and MQA, q_len 1, 4 and 16, one
 split and many (the combine), contiguous and paged caches; every point with both merges of
 the warps (MERGE: slices, and the legacy atomics) and, after the slices merge, both combines of
-the splits (COMBINE: the combine kernel, and fused into the last block of each group).
+the splits (COMBINE: the combine kernel, and fused into the last block of each group, merging
+one or several quads a thread at once: COMBINE_ITEMS).
 """
 
 from __future__ import annotations
@@ -56,24 +57,25 @@ def space() -> SearchSpace:
 
 @functools.cache
 def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
-            combine: str = "kernel") -> list[DecodeKernel]:
+            combine: str = "kernel", items: int = 1) -> list[DecodeKernel]:
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
-    points = [dict(p, MERGE=merge, COMBINE=combine) for p in POINTS]
+    points = [dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items) for p in POINTS]
     cands: list[Candidate] = [make_candidate(space(), p, problem, arch) for p in points
                               if not space().violations(p, problem, arch)]
     return [DecodeKernel(c, r) for c, r in zip(cands, compile_many(cands, arch), strict=True)]
 
 
-@pytest.mark.parametrize("merge, combine", [("slices", "kernel"), ("atomic", "kernel"),
-                                            ("slices", "fused")])
+@pytest.mark.parametrize("merge, combine, items", [
+    ("slices", "kernel", 1), ("atomic", "kernel", 1), ("slices", "fused", 1),
+    ("slices", "fused", 4), ("slices", "fused", 8)])
 @pytest.mark.parametrize("paged", [True, False])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_decode_criterion(head_dim: int, dtype: str, paged: bool, merge: str,
-                          combine: str) -> None:
+                          combine: str, items: int) -> None:
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    ks = kernels(head_dim, dtype, paged, merge, combine)
+    ks = kernels(head_dim, dtype, paged, merge, combine, items)
     assert ks
     for kernel in ks:
         for lengths, q_len, heads, kv, page in CASES:
@@ -94,7 +96,7 @@ def other_kernels(head_dim: int, paged: bool, combine: str) -> list[DecodeKernel
     without spills."""
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE="bf16", PAGED=paged)
-    points = [dict(p, MERGE="slices", COMBINE=combine) for p in POINTS]
+    points = [dict(p, MERGE="slices", COMBINE=combine, COMBINE_ITEMS=1) for p in POINTS]
     points = [p for p in points if not space().violations(p, problem, arch)]
     drawn = [p for p in space().admitted(problem, arch)
              if p["MERGE"] == "slices" and p["COMBINE"] == combine]
@@ -139,20 +141,22 @@ def test_slices_merge_is_deterministic() -> None:
         assert torch.equal(first, kernel(q, k, v, lens, table)), kernel.name
 
 
-def _fused_and_kernel(head_dim: int = 128) -> list[tuple[DecodeKernel, DecodeKernel]]:
+def _fused_and_kernel(head_dim: int = 128,
+                      items: int = 1) -> list[tuple[DecodeKernel, DecodeKernel]]:
     """(fused, kernel) twins of the points with several splits."""
-    pairs = zip(kernels(head_dim, "fp16", True, "slices", "fused"),
+    pairs = zip(kernels(head_dim, "fp16", True, "slices", "fused", items),
                 kernels(head_dim, "fp16", True, "slices", "kernel"), strict=True)
     return [(f, k) for f, k in pairs if f.split_policy == "waves" or f.splits > 1]
 
 
-def test_the_fused_combine_is_the_combine_kernel_bit_for_bit() -> None:
+@pytest.mark.parametrize("items", [1, 4, 8])
+def test_the_fused_combine_is_the_combine_kernel_bit_for_bit(items: int) -> None:
     """The fused combine runs the combine kernel's arithmetic in the same order: the same
     bits out and lse, over calls of several shapes one after another on one stream (each
     launch must find its counters as the last left them: zero), on a contiguous and a paged
-    cache, with one split and many."""
+    cache, with one split and many, one quad a thread at a time or ``items`` at once."""
     gen = torch.Generator(device="cuda").manual_seed(3)
-    pairs = _fused_and_kernel()
+    pairs = _fused_and_kernel(items=items)
     assert pairs
     for batch, lengths, q_len, heads in ((3, [4099, 1, 700], 4, 32), (1, [30000], 1, 64),
                                          (5, [0, 5, 64, 65, 2000], 16, 8), (2, [9, 8191], 1, 8)):
