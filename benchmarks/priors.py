@@ -44,6 +44,7 @@ SOURCES = [
     ("sm_90a", "points_us", "2026-11-27-h100-decode-q1-h64-paged.json"),
     ("sm_90a", "points_us", "2026-11-27-h100-decode-q1-h64-contig.json"),
     ("sm_90a", "points_us", "2026-11-27-h100-decode-q4-b1.json"),
+    ("sm_90a", "points_us", "2026-11-27-h100-decode-combine-items.json"),
     ("sm_90a", "cell_ids", "2026-11-25-h100-cell-kernels.json"),
 ]
 
