@@ -137,15 +137,14 @@ def test_space_is_of_kind_decode() -> None:
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("merge, combine, items", [
     ("slices", "kernel", 1), ("atomic", "kernel", 1), ("slices", "fused", 1),
-    ("slices", "fused", 4), ("slices", "fused", 2)])
+    ("slices", "fused", 2), ("slices", "fused", 4)])
 def test_compiles_offline_without_spills(arch: str, paged: bool, merge: str,
                                          combine: str, items: int) -> None:
     """Both merges and both combines (fused: 1, 2 or 4 quads a thread at once) compile without
-    spills or local memory; where cuobjdump
-    is found, the atomic merge is a CAS loop (ATOMS.CAST.SPIN) per value a thread adds, 2 x
-    BLOCK_M / 16 x HEAD_DIM / 8 of them, and the slices merge has no shared atomic at all; the
-    fused combine adds one global atomic (the count) and its two fences to the main kernel,
-    and the kernel combine none."""
+    spills or local memory; where cuobjdump is found, the atomic merge is a CAS loop
+    (ATOMS.CAST.SPIN) per value a thread adds, 2 x BLOCK_M / 16 x HEAD_DIM / 8 of them, and the
+    slices merge has no shared atomic at all; the fused combine adds one global atomic (the
+    count) and its two fences to the main kernel, and the kernel combine none."""
     from tests.test_backward import CUOBJDUMP, sass_opcodes
 
     space = SearchSpace.load(SPACE).with_untested()

@@ -68,7 +68,7 @@ def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
 
 @pytest.mark.parametrize("merge, combine, items", [
     ("slices", "kernel", 1), ("atomic", "kernel", 1), ("slices", "fused", 1),
-    ("slices", "fused", 4), ("slices", "fused", 2)])
+    ("slices", "fused", 2), ("slices", "fused", 4)])
 @pytest.mark.parametrize("paged", [True, False])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [128, 64])
