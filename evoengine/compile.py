@@ -178,13 +178,24 @@ def is_cached(candidate: Candidate, arch: Arch | str) -> bool:
     return path.is_file() and path.with_suffix(".json").is_file()
 
 
+# Longest cache entry name written as the identity itself: file systems take 255 bytes a name,
+# and _cache_write adds ".<pid>.tmp" while writing. An identity grows with its space's
+# parameters (a ragged wgmma point passed 240 characters); longer ones go by a hash.
+CACHE_NAME_MAX = 200
+
+
 def _cache_path(candidate: Candidate, arch: Arch) -> Path:
     """Keyed by identity and target, and by the compiler and its options: a cubin from another
     NVRTC or other flags is never served. Include paths are left out of the key (they name
-    where the same headers live on this machine)."""
+    where the same headers live on this machine). Named by the identity where that fits
+    CACHE_NAME_MAX, else by the family and a hash of the identity."""
     opts = [o for o in nvrtc_options(arch, candidate.defines(arch)) if not o.startswith("-I")]
     key = hashlib.sha256("\0".join([nvrtc_version(), *opts]).encode()).hexdigest()[:10]
-    return paths.cache_dir() / "cubin" / arch.name / f"{candidate.identity}-{key}.cubin"
+    name = f"{candidate.identity}-{key}.cubin"
+    if len(name) > CACHE_NAME_MAX:
+        digest = hashlib.sha256(candidate.identity.encode()).hexdigest()[:24]
+        name = f"{candidate.family}-{digest}-{key}.cubin"
+    return paths.cache_dir() / "cubin" / arch.name / name
 
 
 def _cache_write(path: Path, result: CompileResult) -> None:

@@ -256,6 +256,31 @@ def test_cache_key_ignores_include_paths(cache: Path, monkeypatch: pytest.Monkey
     assert compile_candidate(c, "sm_80").log == ""  # the same headers elsewhere: still cached
 
 
+# Regression: the entry was named by the identity alone, and a ragged wgmma point's identity
+# with every parameter passed the file system's 255 bytes a name (OSError on writing).
+def test_cache_names_a_long_identity_by_its_hash(cache: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    sp = SearchSpace.load(paths.SPACES / "wgmma.toml")
+    problem = {"HEAD_DIM": 64, "DTYPE": "bf16", "CAUSAL": True, "VARLEN": True}
+    point = dict(BLOCK_M=192, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="smem",
+                 INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head",
+                 SCHEDULER="dynamic", PACK_GQA=True, P_BARRIER="turn", O_STAGE="own_or_q",
+                 EXP_EMU=0)
+    long = make_candidate(sp, point, problem, get_arch("sm_90a"))
+    name = compile_mod._cache_path(long, get_arch("sm_90a")).name
+    assert len(long.identity) > compile_mod.CACHE_NAME_MAX
+    assert len(name) <= compile_mod.CACHE_NAME_MAX and name.startswith("wgmma-")
+    c = small("wmma")
+    monkeypatch.setattr(compile_mod, "CACHE_NAME_MAX", 40)  # this one goes by its hash too
+    first = compile_candidate(c, "sm_80")
+    (entry,) = (cache / "cubin" / "sm_80").glob("*.cubin")
+    assert entry.name.startswith("wmma-") and len(entry.name) <= 40 + 20
+    assert entry.read_bytes() == first.cubin
+    assert compile_candidate(c, "sm_80").log == ""  # served from it
+    other = make_candidate(space("wmma"), {**SMALL["wmma"], "STAGES": 3}, HD64, get_arch("sm_80"))
+    assert compile_mod._cache_path(other, get_arch("sm_80")).name != entry.name
+
+
 def test_cache_is_per_target(cache: Path) -> None:
     c = small("wmma")
     compile_candidate(c, "sm_80")
