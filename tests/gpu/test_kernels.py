@@ -280,30 +280,37 @@ VALUE_TWINS = [
 MANY_TILES = (4, 64, 8, 700, 700, "bhsd")
 
 
+def checked_with_twin(problem: dict, point: dict, twin_point: dict,
+                      seed: int) -> tuple[Kernel, Kernel, tuple[torch.Tensor, ...]]:
+    """wgmma's ``point`` through the criterion on every shape and on many tiles per block, its
+    twin built beside it, and fresh inputs of MANY_TILES' shape to run both on."""
+    need_family("wgmma")
+    sp, arch = space("wgmma").with_untested(), gpu_arch()
+    if sp.violations(point, problem, arch):
+        pytest.skip("not admitted for this problem")
+    kernel, twin = build([make_candidate(sp, point, problem, arch),
+                          make_candidate(sp, twin_point, problem, arch)])
+    for shape in (*SHAPES, MANY_TILES):
+        verdict = run_check(kernel, shape)
+        assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    b, h, hkv, sq, sk, _ = MANY_TILES
+    dtype, d = TORCH_DTYPE[problem["DTYPE"]], problem["HEAD_DIM"]
+    q = torch.randn(b, h, sq, d, generator=gen, device="cuda").to(dtype)
+    k, v = (torch.randn(b, hkv, sk, d, generator=gen, device="cuda").to(dtype) for _ in range(2))
+    return kernel, twin, (q, k, v)
+
+
 @pytest.mark.parametrize("idx", range(len(VALUE_TWINS)))
 @pytest.mark.parametrize("problem", PROBLEMS, ids=problem_id)
 def test_wgmma_value_is_its_twin(problem: dict, idx: int) -> None:
     """The criterion on every shape and on many tiles per block, then the same bits as the
     twin over five calls (a race on P, Q or O would differ somewhere)."""
-    need_family("wgmma")
-    sp, arch = space("wgmma").with_untested(), gpu_arch()
     point, legacy = VALUE_TWINS[idx]
-    if sp.violations(point, problem, arch):
-        pytest.skip("not admitted for this problem")
-    kernel, twin = build([make_candidate(sp, point, problem, arch),
-                          make_candidate(sp, {**point, **legacy}, problem, arch)])
-    for shape in (*SHAPES, MANY_TILES):
-        verdict = run_check(kernel, shape)
-        assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
-    gen = torch.Generator(device="cuda").manual_seed(idx)
-    b, h, hkv, sq, sk, _ = MANY_TILES
-    dtype = TORCH_DTYPE[problem["DTYPE"]]
-    q = torch.randn(b, h, sq, problem["HEAD_DIM"], generator=gen, device="cuda").to(dtype)
-    k, v = (torch.randn(b, hkv, sk, problem["HEAD_DIM"], generator=gen, device="cuda").to(dtype)
-            for _ in range(2))
-    want = twin(q, k, v)
+    kernel, twin, qkv = checked_with_twin(problem, point, {**point, **legacy}, idx)
+    want = twin(*qkv)
     for _ in range(5):
-        assert torch.equal(kernel(q, k, v), want), kernel.candidate.identity
+        assert torch.equal(kernel(*qkv), want), kernel.candidate.identity
 
 
 # EXP_EMU: one in every N exponentials of the softmax on the FMA pipe. Not its twin's bits (the
@@ -321,26 +328,13 @@ EXP_EMU_POINTS = [
 @pytest.mark.parametrize("idx", range(len(EXP_EMU_POINTS)))
 @pytest.mark.parametrize("problem", [p for p in PROBLEMS if p["HEAD_DIM"] == 64], ids=problem_id)
 def test_wgmma_exp_emu(problem: dict, idx: int, emu: int) -> None:
-    need_family("wgmma")
-    sp, arch = space("wgmma").with_untested(), gpu_arch()
     point = {**EXP_EMU_POINTS[idx], "EXP_EMU": emu}
-    if sp.violations(point, problem, arch):
-        pytest.skip("not admitted for this problem")
-    kernel, twin = build([make_candidate(sp, point, problem, arch),
-                          make_candidate(sp, {**point, "EXP_EMU": 0}, problem, arch)])
-    for shape in (*SHAPES, MANY_TILES):
-        verdict = run_check(kernel, shape)
-        assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
-    gen = torch.Generator(device="cuda").manual_seed(idx)
-    b, h, hkv, sq, sk, _ = MANY_TILES
-    dtype = TORCH_DTYPE[problem["DTYPE"]]
-    q = torch.randn(b, h, sq, 64, generator=gen, device="cuda").to(dtype)
-    k, v = (torch.randn(b, hkv, sk, 64, generator=gen, device="cuda").to(dtype) for _ in range(2))
-    first = kernel(q, k, v)
+    kernel, twin, qkv = checked_with_twin(problem, point, {**point, "EXP_EMU": 0}, idx)
+    first = kernel(*qkv)
     for _ in range(4):
-        assert torch.equal(kernel(q, k, v), first), kernel.candidate.identity
+        assert torch.equal(kernel(*qkv), first), kernel.candidate.identity
     ulp = 2.0 ** (-10 if problem["DTYPE"] == "fp16" else -7)
-    diff = (first.float() - twin(q, k, v).float()).abs().max().item()
+    diff = (first.float() - twin(*qkv).float()).abs().max().item()
     assert diff <= 4 * ulp, (kernel.candidate.identity, diff)
 
 
