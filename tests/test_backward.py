@@ -31,7 +31,8 @@ POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_AC
 PROBLEM = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True)
 WGMMA_POINT = dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
                    DQ_REDUCE="bulk", REFILL="dq", LOADER="cp_async", DQ_WRITER="consumer",
-                   DQ_BUFFERS=1, ROWS_EARLY=False, DQ_LAYOUT="rows", DQ_TRANSPOSED=False)
+                   DQ_BUFFERS=1, ROWS_EARLY=False, DQ_LAYOUT="rows", DQ_TRANSPOSED=False,
+                   STEP_ORDER="dv_dk_dq")
 # The ring loaded by a TMA producer warpgroup (FlashAttention-3's d128 tile).
 TMA_POINT = {**WGMMA_POINT, "SWIZZLE": 128, "DQ_REDUCE": "red", "REFILL": "top",
              "LOADER": "tma"}
@@ -147,10 +148,11 @@ def test_wgmma_bwd_space_targets_sm90a_and_says_why() -> None:
     parts = sp.violations({**WGMMA_POINT, "DQ_ACCUM": "separate"}, PROBLEM, target)
     assert any("adds into the atomic accumulator" in b for b in parts)
     # Points measured before DQ_REDUCE, REFILL, LOADER, DQ_WRITER, DQ_BUFFERS, ROWS_EARLY,
-    # DQ_LAYOUT and DQ_TRANSPOSED build today's kernel as they did.
+    # DQ_LAYOUT, DQ_TRANSPOSED and STEP_ORDER build today's kernel as they did.
     assert sp.legacy == {"DQ_REDUCE": "red", "REFILL": "top", "LOADER": "cp_async",
                          "DQ_WRITER": "consumer", "DQ_BUFFERS": 1, "ROWS_EARLY": False,
-                         "DQ_LAYOUT": "rows", "DQ_TRANSPOSED": False}
+                         "DQ_LAYOUT": "rows", "DQ_TRANSPOSED": False,
+                         "STEP_ORDER": "dv_dk_dq"}
     # dQ in fragment order is how staged dQ lies: only with the bulk reduction.
     frag = sp.with_untested().violations({**TMA_POINT, "DQ_LAYOUT": "fragment"}, TMA_PROBLEM,
                                          target)
@@ -180,7 +182,7 @@ def test_wgmma_bwd_transposed_dq_searched_only_where_the_rows_need_it() -> None:
     sp = space("wgmma_bwd")
     shipped = SearchSpace.load(paths.SPACES / "wgmma_bwd.toml")
     target = get_arch("sm_90a")
-    assert sp.untested == {} and shipped.untested == {}
+    assert sp.untested == {} and "DQ_TRANSPOSED" not in shipped.untested
     assert not sp.violations(T_POINT, T_PROBLEM, target)
     rows = {}
     for problem in shipped.problems():
@@ -207,6 +209,33 @@ def test_wgmma_bwd_transposed_dq_searched_only_where_the_rows_need_it() -> None:
     old = render(make_candidate(sp, {**T_POINT, "BLOCK_M": 64, "DQ_TRANSPOSED": False},
                                 T_PROBLEM, target))
     assert "constexpr bool DQ_T = false;" in old and "stage_dqt" not in old
+
+
+@pytest.mark.parametrize(("point", "problem"), [
+    ({**TMA_POINT, "DQ_REDUCE": "bulk", "DQ_LAYOUT": "fragment"}, TMA_PROBLEM),
+    (T_POINT, T_PROBLEM),
+    ({**WARP_POINT, "SWIZZLE": 64, "DQ_LAYOUT": "fragment", "ROWS_EARLY": True},
+     dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=False)),
+])
+def test_wgmma_bwd_step_order_dq_under_dk(point: dict, problem: dict) -> None:
+    """STEP_ORDER "dv_dq_dk" (FlashAttention-4's order: dQ issued before dK, staged while dK
+    runs): [untested]; TMA with two stages or more only; compiles at the d128 winners' 64- and
+    80-row steps and the dQ warp's d64 one without spills, and renders its switch."""
+    sp, target = space("wgmma_bwd"), get_arch("sm_90a")
+    assert SearchSpace.load(paths.SPACES / "wgmma_bwd.toml").untested == {
+        "STEP_ORDER": ("dv_dq_dk",)}
+    new = {**point, "STEP_ORDER": "dv_dq_dk"}
+    assert not sp.violations(new, problem, target)
+    assert any("hands the stage back at the step's end" in b
+               for b in sp.violations({**new, "STAGES": 1}, problem, target))
+    assert any("hands the stage back at the step's end" in b for b in sp.violations(
+        {**new, "LOADER": "cp_async", "REFILL": "dq", "DQ_WRITER": "consumer",
+         "DQ_BUFFERS": 1}, problem, target))
+    c = make_candidate(sp, new, problem, target)
+    assert "constexpr bool DQ_UNDER_DK = true;" in render(c)
+    (r,) = compile_many([c], target)
+    assert r.ok, r.error
+    assert r.spill_bytes == 0, f"{c.identity} spills"
 
 
 @pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not found")

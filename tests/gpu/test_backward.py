@@ -119,8 +119,26 @@ POINTS = {
              DQ_TRANSPOSED=True),
         dict(BLOCK_N=64, BLOCK_M=80, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_TRANSPOSED=True),
+        # STEP_ORDER "dv_dq_dk" (FlashAttention-4's order): the d128 winners' 64-row step and
+        # the 80-row transposed one at two stages (p31, p32), the dQ warp with two buffers and
+        # lse read early (p33), one warpgroup with red.global dQ (p34), separate parts (p35).
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", STEP_ORDER="dv_dq_dk"),
+        dict(BLOCK_N=128, BLOCK_M=80, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_TRANSPOSED=True,
+             STEP_ORDER="dv_dq_dk"),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=3, SWIZZLE=64, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_BUFFERS=2, ROWS_EARLY=True,
+             STEP_ORDER="dv_dq_dk"),
+        dict(BLOCK_N=64, BLOCK_M=128, STAGES=2, SWIZZLE=32, DQ_ACCUM="atomic", DQ_REDUCE="red",
+             LOADER="tma", STEP_ORDER="dv_dq_dk"),
+        dict(BLOCK_N=64, BLOCK_M=64, STAGES=3, SWIZZLE=64, DQ_ACCUM="separate", LOADER="tma",
+             STEP_ORDER="dv_dq_dk"),
     ],
 }
+# The STEP_ORDER points above and a head dim each admits them at: each is run next to its twin
+# in the legacy order.
+STEP_ORDER_POINTS = ((31, 128), (32, 128), (33, 64), (34, 64), (35, 64), (35, 128))
 FAMILIES = tuple(POINTS)
 PROBLEMS = [dict(HEAD_DIM=d, DTYPE=t, CAUSAL=c) for d in (64, 128) for t in ("fp16", "bf16")
             for c in (False, True)]
@@ -176,6 +194,11 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     ("wgmma_bwd", 28, _problem(128, "fp16", False)), ("wgmma_bwd", 28, _problem(128, "bf16", True)),
     *(("wgmma_bwd", 29, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
     *(("wgmma_bwd", 30, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    *(("wgmma_bwd", 31, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    *(("wgmma_bwd", 32, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    *(("wgmma_bwd", 33, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    *(("wgmma_bwd", 34, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    ("wgmma_bwd", 35, _problem(64, "fp16", True)), ("wgmma_bwd", 35, _problem(128, "bf16", False)),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
@@ -307,12 +330,13 @@ def test_deterministic_launch_of_an_atomic_kernel_passes(family: str, dtype: str
             assert verdict.ok, f"{kernel.candidate.identity} {shape}: {verdict.reason}"
 
 
-def inputs(shape: tuple, dtype: torch.dtype, causal: bool, seed: int = 0) -> tuple:
+def inputs(shape: tuple, dtype: torch.dtype, causal: bool, seed: int = 0,
+           head_dim: int = 64) -> tuple:
     b, h, hkv, sq, sk, _ = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def make(heads: int, seq: int) -> torch.Tensor:
-        return torch.randn((b, heads, seq, 64), generator=gen, device="cuda").to(dtype)
+        return torch.randn((b, heads, seq, head_dim), generator=gen, device="cuda").to(dtype)
 
     q, k, v, dout = make(h, sq), make(hkv, sk), make(hkv, sk), make(h, sq)
     out, lse = validate.reference(q, k, v, causal=causal)
@@ -337,6 +361,31 @@ def test_deterministic_results_are_bit_identical(family: str, point: int,
         again = kernel(*args, causal=True, deterministic=deterministic)
         for name, a, b in zip(validate.GRAD_NAMES, first, again, strict=True):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("point", "head_dim"), STEP_ORDER_POINTS)
+def test_step_order_is_its_twin(point: int, head_dim: int, causal: bool) -> None:
+    """STEP_ORDER "dv_dq_dk" runs each GEMM's arithmetic as the legacy order does: a
+    deterministic launch (dQ by parts, summed in key order) gives the twin's bits in all three
+    gradients, and an atomic one its bits in dK and dV, over calls back to back (a stage
+    handed back too early, or dS rewritten under a dQ GEMM, would differ somewhere)."""
+    skip_unless_targeted("wgmma_bwd")
+    problem = _problem(head_dim, "bf16", causal)
+    params = POINTS["wgmma_bwd"][point]
+    if not admitted("wgmma_bwd", params, problem):
+        pytest.skip("not admitted here")
+    kernel = kernel_for("wgmma_bwd", params, problem)
+    twin = kernel_for("wgmma_bwd", {**params, "STEP_ORDER": "dv_dk_dq"}, problem)
+    args = inputs((2, 8, 2, 1000, 1100, "bhsd"), torch.bfloat16, causal=causal, seed=point,
+                  head_dim=head_dim)
+    for deterministic in (True, False):
+        want = tuple(g.clone() for g in twin(*args, causal=causal, deterministic=deterministic))
+        for _ in range(3):
+            got = kernel(*args, causal=causal, deterministic=deterministic)
+            for name, a, b in zip(validate.GRAD_NAMES, got, want, strict=True):
+                if deterministic or name != "dq":
+                    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
 
 
 @pytest.mark.parametrize("family", FAMILIES)
