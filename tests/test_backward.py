@@ -219,11 +219,11 @@ def test_wgmma_bwd_transposed_dq_searched_only_where_the_rows_need_it() -> None:
 ])
 def test_wgmma_bwd_step_order_dq_under_dk(point: dict, problem: dict) -> None:
     """STEP_ORDER "dv_dq_dk" (FlashAttention-4's order: dQ issued before dK, staged while dK
-    runs): [untested]; TMA with two stages or more only; compiles at the d128 winners' 64- and
+    runs): searched; TMA with two stages or more only; compiles at the d128 winners' 64- and
     80-row steps and the dQ warp's d64 one without spills, and renders its switch."""
     sp, target = space("wgmma_bwd"), get_arch("sm_90a")
-    assert SearchSpace.load(paths.SPACES / "wgmma_bwd.toml").untested == {
-        "STEP_ORDER": ("dv_dq_dk",)}
+    assert SearchSpace.load(paths.SPACES / "wgmma_bwd.toml").parameters["STEP_ORDER"] == (
+        "dv_dk_dq", "dv_dq_dk")
     new = {**point, "STEP_ORDER": "dv_dq_dk"}
     assert not sp.violations(new, problem, target)
     assert any("hands the stage back at the step's end" in b

@@ -15,7 +15,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -46,8 +45,7 @@ from evoengine.space import SearchSpace, default_spaces, spread
 SM90 = get_arch("sm_90a")
 BASE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-            SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q",
-            EXP_EMU=0)
+            SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q")
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 SPREAD = 16  # compiled points: two per default problem
@@ -107,7 +105,7 @@ def test_space_targets_sm90a_only() -> None:
     assert sp.archs == ("sm_90a",)
     assert list(sp.parameters) == ["BLOCK_M", "BLOCK_N", "STAGES", "SWIZZLE", "P_FROM",
                                    "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER",
-                                   "SCHEDULER", "PACK_GQA", "P_BARRIER", "O_STAGE", "EXP_EMU"]
+                                   "SCHEDULER", "PACK_GQA", "P_BARRIER", "O_STAGE"]
     for arch in ("sm_80", "sm_86", "sm_89"):
         target = get_arch(arch)
         assert sp.violations(BASE, HD64, target) == [f"family wgmma does not target {arch}"]
@@ -179,50 +177,6 @@ def test_p_barrier_and_o_stage_build_at_the_d128_winners_tile(causal: bool) -> N
         assert bars["turn"] < bars["legacy"] and bars["both"] < bars["p"], bars
 
 
-def _soft_exp2(x: np.ndarray) -> np.ndarray:
-    """The template's soft_exp2 step by step in float32, with the constants its source holds."""
-    src = (paths.TEMPLATES / "wgmma" / "kernel.cu.j2").read_text()
-    body = src[src.index("float soft_exp2(float x)"):]
-    body = body[:body.index("\n}")]
-    c3, c2 = map(np.float32, re.search(r"fmaf\(([\d.]+)f, f, ([\d.]+)f\)", body).groups())
-    c1 = np.float32(re.search(r"fmaf\(p, f, ([\d.]+)f\);\n\s*p = fmaf\(p, f, 1.f\)",
-                              body).group(1))
-    x = np.maximum(x.astype(np.float32), np.float32(-127))
-    i = np.floor(x)  # __fadd_rd(x, 1.5 * 2^23) - 1.5 * 2^23, exactly
-    f = (x - i).astype(np.float32)
-    poly = ((c3 * f + c2) * f + c1) * f + np.float32(1)
-    bits = poly.astype(np.float32).view(np.int32) + (i.astype(np.int32) << 23)
-    return bits.view(np.float32)
-
-
-def test_soft_exp2_is_within_an_fp16_half_ulp() -> None:
-    """EXP_EMU's 2^x on the FMA pipe: relative error under 1e-4 (an fp16 P's half ulp is 2.4e-4)
-    wherever the result is normal, exactly 1 at 0, exactly +0 at -inf and at -127."""
-    x = -np.linspace(0, 126, 2_000_001, dtype=np.float64).astype(np.float32)
-    got = _soft_exp2(x).astype(np.float64)
-    assert np.max(np.abs(got / np.exp2(x.astype(np.float64)) - 1)) < 1e-4
-    assert _soft_exp2(np.array([0.0]))[0] == 1.0
-    special = _soft_exp2(np.array([-np.inf, -127.0, -1000.0], dtype=np.float32))
-    assert np.all(special == 0) and not np.any(np.signbit(special))
-
-
-def test_exp_emu_builds_at_the_d64_winners_tile() -> None:
-    """EXP_EMU at the d64 winners' tile (192 x 128, P in registers, overlap, ping-pong,
-    persistent): no spill, and one in every N of the softmax's MUFU.EX2 leaves the SASS."""
-    sp = space().with_untested()
-    point = {**BASE, "BLOCK_M": 192, "PINGPONG": True, "PERSISTENT": True}
-    built = {}
-    for n in (0, *sp.parameters["EXP_EMU"][1:]):
-        c = make_candidate(sp, {**point, "EXP_EMU": n}, HD64, SM90)
-        r = compile_source(render(c), SM90, c.defines(SM90), identity=c.identity,
-                           smem_bytes=c.smem_bytes)
-        check_compiled(c, r)
-        built[n] = r
-    if CUOBJDUMP is not None:
-        mufu = {n: sass_opcodes(r.cubin or b"").count("MUFU") for n, r in built.items()}
-        assert all(mufu[n] < mufu[0] for n in mufu if n), mufu
-
-
 def test_dynamic_scheduler_adds_its_tile_slot() -> None:
     """The slot naming each tile to the consumers: 16 bytes next to the mbarriers, only when
     dynamic; the kernel static_asserts the same size (compiled below)."""
@@ -253,10 +207,6 @@ CONSTRAINT_CASES = [
      SM90, {"P_BARRIER": "turn"}),
     ("O_STAGE == 'own_or_q' or (PERSISTENT and P_FROM == 'smem' and BLOCK_N >= HEAD_DIM and "
      "O_BYTES == 0)", {"O_STAGE": "p"}, HD64, SM90, {"O_STAGE": "p"}),
-    ("EXP_EMU == 0 or HEAD_DIM <= 64", {"EXP_EMU": 4}, HD128, SM90, {"EXP_EMU": 4}),
-    ("EXP_EMU == 0 or BLOCK_N <= 160 or LIVE_REGS + REG_MARGIN + 8 <= CONSUMER_REGS",
-     dict(BLOCK_M=192, BLOCK_N=176, INTRA_WG_OVERLAP=False, EXP_EMU=3), HD64, SM90,
-     {"EXP_EMU": 3}),
 ]
 
 
