@@ -34,11 +34,13 @@ KEEP = 2
 RESULTS = paths.ROOT / "benchmarks" / "results"
 # (arch, reader, results file): the H100 re-times that hold each kind's best known points.
 SOURCES = [
+    ("sm_90a", "retimed", "2026-11-27-h100-wgmma-full-dynamic.json"),
     ("sm_90a", "retimed", "2026-11-27-h100-wgmma-fa3-levers.json"),
     ("sm_90a", "retimed", "2026-11-24-h100-wgmma-retime-fa4.json"),
     ("sm_90a", "retimed", "2026-11-25-h100-varlen-pack-gqa.json"),
     ("sm_90a", "retimed", "2026-11-25-h100-varlen-all-points.json"),
     ("sm_90a", "bwd_points", "2026-11-27-h100-bwd-step-order.json"),
+    ("sm_90a", "bwd_points", "2026-11-27-h100-bwd-step-order-fp16.json"),
     ("sm_90a", "bwd_points", "2026-11-25-h100-train-step-fa4.json"),
     ("sm_90a", "points_us", "2026-11-25-h100-decode-fused.json"),
     ("sm_90a", "points_us", "2026-11-25-h100-decode-q4-h64-bm32.json"),

@@ -3,6 +3,7 @@
     ncu --clock-control none -k regex:attn_fwd -s 20 -c 1 --section ... \
         python benchmarks/profile_point.py 8,16,4096,128 --family wgmma --params '{...}'
     python benchmarks/profile_point.py 8,16,4096,128 --sdpa cudnn
+    python benchmarks/profile_point.py 16,16,2048,64 --fa4     # FlashAttention-4's forward
 """
 
 from __future__ import annotations
@@ -30,12 +31,23 @@ def main() -> None:
     ap.add_argument("--family", default="wgmma")
     ap.add_argument("--params", type=json.loads, help="the point, as JSON")
     ap.add_argument("--sdpa", choices=measure.SDPA_BACKENDS)
+    ap.add_argument("--fa4", action="store_true", help="FlashAttention-4's forward (where it "
+                    "imports; its first call compiles, so skip that launch in the profiler)")
     ap.add_argument("--calls", type=int, default=30)
     args = ap.parse_args()
     w = Workload.parse_spec(args.workload, dtype=args.dtype)
     sets = measure.workload_inputs(w)
     if args.sdpa:
         call, scope = measure.sdpa_call(w, sets), measure.sdpa_backend(args.sdpa)
+    elif args.fa4:
+        fn = measure.fa4_attention()
+        if fn is None:
+            raise SystemExit("profile_point: flash_attn.cute does not import")
+
+        def call(i: int) -> None:
+            q, k, v = (x.transpose(1, 2) for x in sets[i][:3])
+            fn(q, k, v, causal=w.causal)
+        scope = contextlib.nullcontext()
     else:
         from evoengine.arch import arch_of_capability
         from evoengine.runtime import Kernel

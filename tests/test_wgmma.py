@@ -155,6 +155,25 @@ def test_persistent_blocks_stage_o_apart_where_it_fits() -> None:
                                          smem_bytes=c.smem_bytes))
 
 
+@pytest.mark.parametrize(("problem", "extra"), [
+    (HD64, {"STAGES": 3}), (HD64, {"P_FROM": "smem"}),
+    ({**HD128, "CAUSAL": False}, {"P_FROM": "smem"})])
+def test_dynamic_scheduler_serves_full_tiles(problem: dict, extra: dict) -> None:
+    """SCHEDULER "dynamic" without the mask (persistent only): admitted and built at the d64
+    and d128 winners' 192-row tiles, no spill, rendered dynamic."""
+    sp = space()
+    point = {**BASE, "BLOCK_M": 192, "PINGPONG": True, "PERSISTENT": True,
+             "SCHEDULER": "dynamic", **extra}
+    assert not sp.violations(point, problem, SM90)
+    assert any("PERSISTENT" in v for v in sp.violations({**point, "PERSISTENT": False},
+                                                        problem, SM90))
+    c = make_candidate(sp, point, problem, SM90)
+    assert "constexpr bool DYNAMIC = true;" in render(c)
+    r = compile_source(render(c), SM90, c.defines(SM90), identity=c.identity,
+                       smem_bytes=c.smem_bytes)
+    check_compiled(c, r)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_p_barrier_and_o_stage_build_at_the_d128_winners_tile(causal: bool) -> None:
     """P_BARRIER "turn" and O_STAGE "p" at the 192 x 128 tile with P through shared memory
@@ -201,8 +220,6 @@ CONSTRAINT_CASES = [
     ("LIVE_REGS + REG_MARGIN <= CONSUMER_REGS", {"BLOCK_M": 192}, HD128, SM90, {}),
     ("CAUSAL or TILE_ORDER == 'head'", {"TILE_ORDER": "l2"}, HD64, SM90, {}),
     ("SCHEDULER == 'static' or PERSISTENT", {"SCHEDULER": "dynamic"}, HD128, SM90, {}),
-    ("SCHEDULER == 'static' or CAUSAL", dict(SCHEDULER="dynamic", PERSISTENT=True), HD64, SM90,
-     {}),
     ("P_BARRIER == 'warpgroup' or (P_FROM == 'smem' and PINGPONG)", {"P_BARRIER": "turn"}, HD64,
      SM90, {"P_BARRIER": "turn"}),
     ("O_STAGE == 'own_or_q' or (PERSISTENT and P_FROM == 'smem' and BLOCK_N >= HEAD_DIM and "

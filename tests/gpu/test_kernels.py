@@ -413,15 +413,18 @@ def test_wgmma_causal_tile_orders(idx: int, head_dim: int) -> None:
 DYNAMIC_CONFIGS = [cfg for cfg in CAUSAL_ORDER_CONFIGS if cfg["SCHEDULER"] == "dynamic"]
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("idx", range(len(DYNAMIC_CONFIGS)))
-def test_wgmma_dynamic_counter_is_fresh_per_launch(idx: int) -> None:
+def test_wgmma_dynamic_counter_is_fresh_per_launch(idx: int, causal: bool) -> None:
     """The tile counter is the launcher's, zeroed per launch on the launch's stream: launches
     back to back, on two streams at once and replayed from a CUDA graph all cover every tile.
     About 15 tiles per SM, so blocks loop long and the counter runs far past the grid. The
     kernel is deterministic (a tile's arithmetic does not depend on its block), so every run
     matches the first bit for bit, and the first passes the criterion."""
     need_family("wgmma")
-    problem = dict(HEAD_DIM=128, DTYPE="bf16", CAUSAL=True)
+    problem = dict(HEAD_DIM=128, DTYPE="bf16", CAUSAL=causal)
+    if space("wgmma").violations(DYNAMIC_CONFIGS[idx], problem, gpu_arch()):
+        pytest.skip("not admitted for this problem")
     (kernel,) = build([make_candidate(space("wgmma"), DYNAMIC_CONFIGS[idx], problem,
                                       gpu_arch())])
     shape = (4, 32, 8, 2048, 2048, "bhsd")
@@ -451,3 +454,24 @@ def test_wgmma_dynamic_counter_is_fresh_per_launch(idx: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(graph_out, first)
+
+
+# The dynamic scheduler on full tiles (no mask): the d64 and d128 winners' tiles (192 rows, P in
+# registers and in shared memory) and a 2-consumer one. A tile's arithmetic does not depend on
+# the block that runs it, so the output is the static twin's, bit for bit; MANY_TILES' 700 rows
+# leave a short last m-block.
+FULL_DYNAMIC = [
+    wgmma_point(BLOCK_M=192, STAGES=3, PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic"),
+    wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic"),
+    wgmma_point(PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic"),
+]
+
+
+@pytest.mark.parametrize("idx", range(len(FULL_DYNAMIC)))
+@pytest.mark.parametrize("problem", [p for p in PROBLEMS if not p["CAUSAL"]], ids=problem_id)
+def test_wgmma_dynamic_full_tiles_are_their_static_twin(problem: dict, idx: int) -> None:
+    point = FULL_DYNAMIC[idx]
+    kernel, twin, qkv = checked_with_twin(problem, point, {**point, "SCHEDULER": "static"}, idx)
+    want = twin(*qkv)
+    for _ in range(3):
+        assert torch.equal(kernel(*qkv), want), kernel.candidate.identity
