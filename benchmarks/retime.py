@@ -13,6 +13,11 @@ own GPU worker (``evoengine.search.worker.GpuWorker``, run in this process): the
 ``validate.plan(workload)``, then a timing; the ``--keep`` fastest valid ones are re-timed
 ``--rounds`` times interleaved with SDPA's flash and cuDNN backends, and the row holds the
 best, with same-run ratios.
+
+A template change's A/B: ``--base-templates DIR`` (another tree's ``templates/``, e.g. a
+``git worktree`` of the commit before the change) builds each kept point from those templates
+as well (uncached), and the final rounds time each point next to its base build; the row's
+``base`` lists both medians per point.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evoengine import measure, paths  # noqa: E402
-from evoengine.compile import compile_many  # noqa: E402
+from evoengine.compile import compile_many, compile_source  # noqa: E402
 from evoengine.provenance import header  # noqa: E402
+from evoengine.render import render  # noqa: E402
 from evoengine.search.domain import Domain  # noqa: E402
 from evoengine.search.replay import load_record  # noqa: E402
 from evoengine.space import default_spaces  # noqa: E402
@@ -90,6 +96,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--untested", action="store_true",
                     help="admit the spaces' [untested] values (the points file names them)")
+    ap.add_argument("--base-templates", type=Path, metavar="DIR",
+                    help="also build each kept point from these templates and time it beside")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -113,7 +121,10 @@ def main() -> None:
             versions=info.versions if info else None,
             candidates=f"best {args.records} of each recorded sweep in tests/data"
                        + (f" + {args.points}" if args.points else "")
-                       + "; parameters added since a sweep expanded over their domains",
+                       + "; parameters added since a sweep expanded over their domains"
+                       + (f"; each kept point also built from {args.base_templates} (its base, "
+                          "through the criterion too) and timed beside it"
+                          if args.base_templates else ""),
             rows=rows)
         args.json.write_text(json.dumps(doc, indent=1))
 
@@ -138,7 +149,13 @@ def main() -> None:
                     invalid.append({"params": cand.params, "reason": r["reason"]})
             timed.sort(key=lambda t: t[0])
             top = timed[:args.keep]
-            final = worker.final([(c, r) for _, c, r in top], args.rounds)
+            base = [(c, compile_source(render(c, args.base_templates), arch, c.defines(arch),
+                                       identity=f"{c.identity}@base", smem_bytes=c.smem_bytes))
+                    for _, c, _ in top] if args.base_templates else []
+            base = [(c, r) for c, r in base if r.ok and worker.evaluate(c, r)["ok"]]
+            final = worker.final([(c, r) for _, c, r in top] + base, args.rounds)
+            base_times = final["candidates"][len(top):]
+            final["candidates"] = final["candidates"][:len(top)]
             best = min(zip(final["candidates"], top, strict=True),
                        key=lambda x: x[0]["median_us"])
             t, (search_us, cand, compiled) = best
@@ -158,6 +175,12 @@ def main() -> None:
                 "retimed": [{"params": c.params, "median_us": f["median_us"], "search_us": s}
                             for f, (s, c, _) in zip(final["candidates"], top, strict=True)],
             }
+            if args.base_templates:
+                now = {c.identity: f["median_us"]
+                       for f, (_, c, _) in zip(final["candidates"], top, strict=True)}
+                row["base"] = [{"params": c.params, "median_us": now[c.identity],
+                                "base_us": f["median_us"]}
+                               for f, (c, _) in zip(base_times, base, strict=True)]
             rows.append(row)
             write()
             print(f"{dtype} {text:22} ours {row['ours_us']:8.1f} us  flash {flash or 0:8.1f}  "

@@ -147,9 +147,11 @@ def _environment_for(roots: tuple[str, ...]) -> jinja2.Environment:
     )
 
 
-def render(candidate: Candidate) -> str:
-    """The candidate's CUDA source, deterministic for a given identity."""
-    template = _environment().get_template(f"{candidate.family}/kernel.cu.j2")
+def render(candidate: Candidate, templates: Path | None = None) -> str:
+    """The candidate's CUDA source, deterministic for a given identity; from the templates
+    folder of another tree where ``templates`` is given (a kernel change's twin)."""
+    env = _environment_for((str(templates),)) if templates else _environment()
+    template = env.get_template(f"{candidate.family}/kernel.cu.j2")
     return template.render(
         identity=candidate.identity,
         family=candidate.family,

@@ -316,3 +316,16 @@ def test_different_points_render_differently() -> None:
     b = render.render(make_candidate(sp, {**MMA_POINT, "SWIZZLE": "pad"}, HD64, SM80))
     assert a != b
     assert "SWIZZLE_PAD;" in b and "SWIZZLE_PAD;" not in a
+
+
+def test_render_from_another_trees_templates(tmp_path: Path) -> None:
+    """``render(c, templates)`` reads that folder (a change's base, for benchmarks/retime.py
+    --base-templates) and leaves the default environment alone."""
+    other = tmp_path / "templates"
+    shutil.copytree(paths.TEMPLATES, other)
+    c = make_candidate(space("mma"), MMA_POINT, HD64, SM80)
+    assert render.render(c, paths.TEMPLATES) == render.render(c)
+    path = other / "mma" / "kernel.cu.j2"
+    path.write_text("// the base tree\n" + path.read_text())
+    assert render.render(c, other) == "// the base tree\n" + render.render(c)
+    assert not render.render(c).startswith("// the base tree")

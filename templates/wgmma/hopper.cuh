@@ -244,6 +244,15 @@ __device__ __forceinline__ u32 ld_shared_b32(u32 addr) {
   return v;
 }
 
+// One 16-byte store. Written out as a uint4 through a cast pointer, NVVM splits a value that
+// came from asm outputs into four 4-byte stores (st.global.u32; 4x the L2 write requests).
+__device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n"
+               :
+               : "l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
