@@ -218,6 +218,8 @@ CONSTRAINT_CASES = [
     ("THREADS <= MAX_THREADS", {}, HD64, _FEW_THREADS, {}),
     ("SMEM_BYTES <= SMEM_LIMIT", dict(BLOCK_N=192, STAGES=4, P_FROM="smem"), HD128, SM90, {}),
     ("LIVE_REGS + REG_MARGIN <= CONSUMER_REGS", {"BLOCK_M": 192}, HD128, SM90, {}),
+    ("BLOCK_N * HEAD_DIM * 2 % 1024 == 0", dict(BLOCK_N=176, SWIZZLE=32),
+     {**HD64, "HEAD_DIM": 48}, SM90, {}),
     ("CAUSAL or TILE_ORDER == 'head'", {"TILE_ORDER": "l2"}, HD64, SM90, {}),
     ("SCHEDULER == 'static' or PERSISTENT", {"SCHEDULER": "dynamic"}, HD128, SM90, {}),
     ("P_BARRIER == 'warpgroup' or (P_FROM == 'smem' and PINGPONG)", {"P_BARRIER": "turn"}, HD64,
