@@ -2,9 +2,11 @@
 # One launch of ours or of FlashAttention-4 on the d64 row still behind it (bf16 16,16,2048,64,
 # no mask) under ncu: throughput, pipes, issue, stalls. Usage (repository root, $OUT set):
 #   bash experiments/2026-11-27-wgmma-d64-ncu/profile.sh ours|fa4
+# POINT='{...}' in the environment profiles another of our points (default: the 11-24 winner,
+# static schedule, as profiled on 2026-11-27).
 set -euo pipefail
 who=$1
-POINT='{"BLOCK_M":192,"BLOCK_N":128,"STAGES":3,"SWIZZLE":128,"P_FROM":"regs","INTRA_WG_OVERLAP":true,"PINGPONG":true,"PERSISTENT":true,"TILE_ORDER":"head","SCHEDULER":"static","PACK_GQA":false,"P_BARRIER":"warpgroup","O_STAGE":"own_or_q"}'
+POINT=${POINT:-'{"BLOCK_M":192,"BLOCK_N":128,"STAGES":3,"SWIZZLE":128,"P_FROM":"regs","INTRA_WG_OVERLAP":true,"PINGPONG":true,"PERSISTENT":true,"TILE_ORDER":"head","SCHEDULER":"static","PACK_GQA":false,"P_BARRIER":"warpgroup","O_STAGE":"own_or_q"}'}
 SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats
           --section SchedulerStats --section WarpStateStats --section Occupancy --section LaunchStats
           --section MemoryWorkloadAnalysis"
