@@ -102,20 +102,26 @@ def run_row(w: DecodeWorkload, params: list[dict[str, Any]], args: argparse.Name
     import torch
 
     from evoengine import measure, paths
+    from evoengine.compile import compile_many
     from evoengine.decode import DecodeKernel
     from evoengine.render import make_candidate
     from evoengine.space import SearchSpace
 
     problem = Decode()
     space = SearchSpace.load(paths.SPACES / "decode.toml").with_untested()  # points may name them
-    kernels, rejected = [], {}
+    kernels, rejected, cands = [], {}, []
     for p in params:
         p = space.complete(p)
         bad = space.violations(p, w.problem(), arch)
         if bad:
             rejected[str(p)] = bad[0]
             continue
-        kernel = DecodeKernel.build(make_candidate(space, p, w.problem(), arch), arch)
+        cands.append(make_candidate(space, p, w.problem(), arch))
+    for cand, compiled in zip(cands, compile_many(cands, arch), strict=True):  # in parallel
+        if not compiled.ok:
+            rejected[cand.identity] = compiled.error
+            continue
+        kernel = DecodeKernel(cand, compiled)
         if args.check:
             verdict = problem.check(kernel, w)
             if not verdict.ok:

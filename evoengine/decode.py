@@ -34,7 +34,7 @@ class DecodeKernel(CudaDecode):
             block_m=candidate.block_m, block_n=int(params["BLOCK_N"]),  # type: ignore[call-overload]
             threads=candidate.threads, smem_bytes=candidate.smem_bytes,
             split_policy=str(params["SPLIT_POLICY"]), splits=int(params["SPLITS"]),  # type: ignore[call-overload]
-            combine=str(params["COMBINE"]),
+            combine=str(params["COMBINE"]), cluster=int(params.get("CLUSTER", 1)),  # type: ignore[call-overload]
             arch=compiled.arch, cubin=cubin)
         self.candidate = candidate
         self.compiled = compiled

@@ -18,6 +18,7 @@ from evoengine.launch.decode import (
     CudaDecode,
     DecodeShape,
     check_decode_inputs,
+    cluster_splits,
     decode_splits,
     nearest_decode,
     sdpa_decode,
@@ -118,8 +119,9 @@ def test_points_from_before_l2_prefetch_and_merge_complete() -> None:
     assert space.complete(dict(old, L2_PREFETCH=256))["MERGE"] == "atomic"
     assert space.complete(old)["COMBINE"] == "kernel"
     assert space.complete(old)["COMBINE_ITEMS"] == 1
+    assert space.complete(old)["CLUSTER"] == 1
     assert space.legacy == {"L2_PREFETCH": 0, "MERGE": "atomic", "COMBINE": "kernel",
-                            "COMBINE_ITEMS": 1}
+                            "COMBINE_ITEMS": 1, "CLUSTER": 1}
 
 
 def test_space_is_of_kind_decode() -> None:
@@ -193,7 +195,7 @@ def test_rows_of_no_power_of_two_copies_are_copied_by_index(arch: str, head_dim:
     block_n = 128 if threads == 256 else 64  # 16 keys a warp at least
     params = dict(BLOCK_N=block_n, BLOCK_M=16, NUM_WARPS=threads // 32, STAGES=2, VEC_BYTES=16,
                   L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=2,
-                  COMBINE="fused", COMBINE_ITEMS=1)
+                  COMBINE="fused", COMBINE_ITEMS=1, CLUSTER=1)
     assert not space.violations(params, problem_, target)
     cand = make_candidate(space, params, problem_, target)
     assert "constexpr bool COLUMNS = THREADS % ROW_VECS == 0;" in render(cand)
@@ -236,7 +238,7 @@ def test_merge_slices_fit_where_the_ring_does() -> None:
     small = get_arch("sm_89")  # 99 KB: 8 slices of 32 x (256 + 8) floats do not fit
     big = dict(BLOCK_N=128, BLOCK_M=32, NUM_WARPS=8, STAGES=2, VEC_BYTES=16, L2_PREFETCH=0,
                MERGE="slices", SPLIT_POLICY="waves", SPLITS=1, COMBINE="kernel",
-               COMBINE_ITEMS=1)
+               COMBINE_ITEMS=1, CLUSTER=1)
     bad = space.violations(big, {"HEAD_DIM": 256, "DTYPE": "fp16", "PAGED": True}, small)
     assert any("the warps' merge fits" in why for why in bad)
 
@@ -329,7 +331,7 @@ def test_plan_covers_ragged_and_own_length() -> None:
 
 DECODE_POINT = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
                     L2_PREFETCH=256, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
-                    COMBINE="kernel", COMBINE_ITEMS=1)
+                    COMBINE="kernel", COMBINE_ITEMS=1, CLUSTER=1)
 
 
 def decode_store(db: object, arch: str, workloads: list[DecodeWorkload]) -> None:
@@ -398,10 +400,13 @@ def test_launcher_and_template_agree_on_the_combine_block() -> None:
 
 class _FakeDriver:
     """Stands in for cuLaunchKernel: records each launch's entry and, for the main kernel,
-    the counters argument and what the counters held at launch."""
+    the counters argument and what the counters held at launch; the main kernel's grid x (its
+    splits) and the combine kernel's parts argument."""
 
     def __init__(self) -> None:
         self.launches: list[tuple[str, int, list[int] | None]] = []
+        self.splits: list[int] = []
+        self.parts: list[int] = []
 
     def __call__(self, loaded: object, args: tuple) -> None:
         import ctypes
@@ -411,18 +416,21 @@ class _FakeDriver:
             (address,) = struct.unpack("=Q", ctypes.string_at(argv[7], 8))
             held = list((ctypes.c_int32 * 4).from_address(address)) if address else None
             self.launches.append(("main", address, held))
-        else:
+            self.splits.append(args[1])
+        else:  # the combine: its 8th argument is the number of parts
             self.launches.append(("combine", 0, None))
+            (n,) = struct.unpack("=i", ctypes.string_at(argv[7], 4))
+            self.parts.append(n)
 
 
-def _fake_decode(combine: str, monkeypatch: pytest.MonkeyPatch,
-                 stream: list[int]) -> tuple[CudaDecode, _FakeDriver]:
+def _fake_decode(combine: str, monkeypatch: pytest.MonkeyPatch, stream: list[int],
+                 cluster: int = 1) -> tuple[CudaDecode, _FakeDriver]:
     import evoengine.launch.decode as launch_decode
     from evoengine.launch.core import Loaded
 
     k = CudaDecode("d", head_dim=128, dtype="fp16", paged=False, block_m=16, block_n=64,
                    threads=128, smem_bytes=1024, split_policy="fixed", splits=4,
-                   combine=combine, arch="sm_90a", cubin=b"x")
+                   combine=combine, cluster=cluster, arch="sm_90a", cubin=b"x")
     fake = _FakeDriver()
     monkeypatch.setattr(launch_decode, "launch_in_context", fake)
     monkeypatch.setattr(launch_decode, "raw_stream", lambda index: stream[0])
@@ -467,3 +475,67 @@ def test_the_fused_combine_launches_once_with_the_streams_zeroed_counters(
         CudaDecode("d", head_dim=128, dtype="fp16", paged=False, block_m=16, block_n=64,
                    threads=128, smem_bytes=1024, split_policy="fixed", splits=4,
                    combine="atomic")
+
+
+def test_cluster_splits_are_whole_clusters() -> None:
+    assert cluster_splits(16, 8) == 16
+    assert cluster_splits(17, 8) == 16  # rounded down: a partial cluster cannot launch
+    assert cluster_splits(5, 8) == 8  # at least one cluster; its empty splits merge as nothing
+    assert cluster_splits(3, 2) == 2
+    assert cluster_splits(7, 1) == 7
+
+
+@pytest.mark.parametrize("combine", ["kernel", "fused"])
+def test_a_cluster_writes_one_part(combine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's side of CLUSTER, driver faked: the grid's splits are whole clusters, and
+    what goes to the combine is a part per cluster: with one cluster, the output itself (one
+    launch, no counters); with several, a combine over the clusters' parts."""
+    stream = [7001]
+    k, fake = _fake_decode(combine, monkeypatch, stream, cluster=8)
+    q = torch.zeros(2, 1, 8, 128, dtype=torch.float16)
+    cache = torch.zeros(2, 4096, 2, 128, dtype=torch.float16)
+    lens = torch.full((2,), 4096, dtype=torch.int32)
+    shape = DecodeShape(batch=2, q_len=1, q_heads=8, kv_heads=2, head_dim=128, paged=False,
+                        page_size=0, capacity=4096, num_pages=0)
+    out = torch.empty_like(q)
+    k.launch(q, cache, cache, lens, None, out, None, shape, causal=True, scale=0.1)  # 4 -> 8
+    assert fake.launches == [("main", 0, None)] and fake.splits == [8]
+    fake.launches.clear()
+    k.splits = 20  # -> 16 splits, two clusters' parts
+    k.launch(q, cache, cache, lens, None, out, None, shape, causal=True, scale=0.1)
+    assert fake.splits == [8, 16]
+    if combine == "kernel":
+        assert [e for e, _, _ in fake.launches] == ["main", "combine"] and fake.parts == [2]
+    else:
+        assert [e for e, _, _ in fake.launches] == ["main"] and fake.launches[0][1] != 0
+
+
+def test_clusters_build_on_sm90_only() -> None:
+    """CLUSTER > 1 (an [untested] value until its GPU tests pass) is sm_90's, after the slices
+    merge; on sm_90a it compiles without spills or local memory for both combines, with the
+    cluster shape in the kernel's declaration, which CLUSTER 1 leaves as it was."""
+    from tests.test_backward import CUOBJDUMP, sass_opcodes
+
+    space = SearchSpace.load(SPACE).with_untested()
+    base = dict(BLOCK_N=128, BLOCK_M=32, NUM_WARPS=8, STAGES=2, VEC_BYTES=16, L2_PREFETCH=0,
+                MERGE="slices", SPLIT_POLICY="waves", SPLITS=1, CLUSTER=4)
+    problem_ = {"HEAD_DIM": 128, "DTYPE": "bf16", "PAGED": True}
+    fused = space.complete(dict(base, COMBINE="fused", COMBINE_ITEMS=4))
+    assert any("sm_90" in why for why in space.violations(fused, problem_, get_arch("sm_89")))
+    atomic = dict(fused, MERGE="atomic", COMBINE="kernel", COMBINE_ITEMS=1)
+    assert any("slices merge" in why
+               for why in space.violations(atomic, problem_, get_arch("sm_90a")))
+    target = get_arch("sm_90a")
+    for params in (fused, dict(fused, COMBINE="kernel", COMBINE_ITEMS=1, CLUSTER=8),
+                   dict(fused, BLOCK_M=16, NUM_WARPS=4, BLOCK_N=64, STAGES=4, CLUSTER=2)):
+        cand = make_candidate(space, params, problem_, target)
+        assert "__cluster_dims__(cfg::CLUSTER, 1, 1)" in render(cand)
+        result = compile_candidate(cand, target)
+        assert result.ok, result.error
+        assert result.spill_bytes == 0, cand.identity
+        if CUOBJDUMP is not None:
+            ops = sass_opcodes(result.cubin or b"", "attn_decode")
+            assert "LDL" not in ops and "STL" not in ops, cand.identity
+    plain = make_candidate(space, dict(fused, CLUSTER=1), problem_, target)
+    assert "__cluster_dims__" not in render(plain)
+

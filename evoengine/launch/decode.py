@@ -16,12 +16,14 @@ Kernel ABI (two entries of one cubin, launched in order on torch's current strea
   blocks: each takes ``block_m`` of one key/value head's q_len x group packed query rows and
   one split of its cache. k_sb/v_sb are the page strides of a paged cache. With one split it
   writes O (and LSE, natural log, float32 [B, H, q_len], when not null); with several, O_part
-  [splits, B, q_len, H, D] (normalised, fp32) and LSE_part [splits, B, q_len, H] (log2),
+  [parts, B, q_len, H, D] (normalised, fp32) and LSE_part [parts, B, q_len, H] (log2), a
+  part per split, or per cluster of ``cluster`` splits where the kernel runs in clusters
+  (CLUSTER; splits are then a multiple of it, and one cluster of every split writes O itself),
   which a ``fused`` kernel (COMBINE) then merges itself: ``counters`` holds an int32 per
   (batch, kv head x row chunk), zero before the launch and zero again after it (the last
   block of a group to finish resets it), one set per (device, stream) (``split_counters``);
   null for a ``kernel`` combine, which launches
-- ``attn_decode_combine(O_part, LSE_part, O, LSE, batch, q_len, q_heads, splits, o_sb, o_ss,
+- ``attn_decode_combine(O_part, LSE_part, O, LSE, batch, q_len, q_heads, parts, o_sb, o_ss,
   o_sh)`` on ceil(B * q_len * H * D / 4 / 256) blocks of 256 threads: merges the parts.
 
 Value checks (``check=True``, the default): cache lengths within [0, capacity] and the block
@@ -216,6 +218,13 @@ def decode_splits(policy: str, splits: int, *, units: int, tiles: int, slots: in
     return max(1, min(n, tiles, MAX_DECODE_SPLITS))
 
 
+def cluster_splits(splits: int, cluster: int) -> int:
+    """``splits`` made a whole number of clusters of ``cluster`` (the grid's x dimension must
+    be): rounded down, at least one cluster. Splits past the cache's tiles are empty and merge
+    as nothing (an LSE of -inf)."""
+    return max(cluster, splits - splits % cluster)
+
+
 def resident_blocks(fn: int, threads: int, smem_bytes: int, index: int) -> int:
     """Blocks of a kernel that one SM of device ``index`` holds at once (the driver's
     occupancy calculator; from shared memory alone where cupy lacks it)."""
@@ -263,8 +272,9 @@ class CudaDecode:
 
     def __init__(self, name: str, *, head_dim: int, dtype: str, paged: bool, block_m: int,
                  block_n: int, threads: int, smem_bytes: int, split_policy: str, splits: int,
-                 combine: str = "kernel", arch: str | None = None, cubin: bytes | None = None,
-                 source: str | None = None, defines: Mapping[str, int] | None = None) -> None:
+                 combine: str = "kernel", cluster: int = 1, arch: str | None = None,
+                 cubin: bytes | None = None, source: str | None = None,
+                 defines: Mapping[str, int] | None = None) -> None:
         if split_policy not in SPLIT_POLICIES:
             raise ValueError(f"kernel {name}: split_policy must be one of {SPLIT_POLICIES}, "
                              f"got {split_policy!r}")
@@ -283,6 +293,9 @@ class CudaDecode:
         self.block_m, self.block_n = int(block_m), int(block_n)
         self.split_policy, self.splits = split_policy, int(splits)
         self.fused = combine == "fused"  # several splits merged by the main kernel's last block
+        # Splits per thread block cluster, compiled in: a call's splits are a multiple of it,
+        # and each cluster writes one part.
+        self.cluster = int(cluster)
         self._slots: dict[int, int] = {}  # per device: SMs x blocks resident per SM
 
     @classmethod
@@ -294,7 +307,8 @@ class CudaDecode:
                    paged=problem["PAGED"], block_m=spec["block_m"], block_n=params["BLOCK_N"],
                    threads=spec["threads"], smem_bytes=spec["smem_bytes"],
                    split_policy=params["SPLIT_POLICY"], splits=params["SPLITS"],
-                   combine=params.get("COMBINE", "kernel"), arch=arch,
+                   combine=params.get("COMBINE", "kernel"),
+                   cluster=params.get("CLUSTER", 1), arch=arch,
                    cubin=cubin, source=source, defines=spec.get("defines"))
 
     def __repr__(self) -> str:
@@ -321,7 +335,7 @@ class CudaDecode:
                                units=shape.batch * shape.kv_heads * chunks,
                                tiles=-(-shape.capacity // self.block_n),
                                slots=self._slots[index])
-        return chunks, splits
+        return chunks, cluster_splits(splits, self.cluster)
 
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                  block_table: Tensor | None = None, *, causal: bool = True,
@@ -356,11 +370,12 @@ class CudaDecode:
         chunks, splits = self.plan(shape, index)
         b, q_len, h, d = q.shape
         part = lse_part = counters = None
-        if splits > 1:
+        parts = splits // self.cluster  # what goes through global memory: a cluster's, each
+        if parts > 1:
             # From torch's stream-ordered allocator: dropped after the launches are enqueued,
             # the memory goes only to work ordered after them on this stream.
-            part = torch.empty((splits, b, q_len, h, d), dtype=torch.float32, device=q.device)
-            lse_part = torch.empty((splits, b, q_len, h), dtype=torch.float32, device=q.device)
+            part = torch.empty((parts, b, q_len, h, d), dtype=torch.float32, device=q.device)
+            lse_part = torch.empty((parts, b, q_len, h), dtype=torch.float32, device=q.device)
             if self.fused:
                 counters = split_counters(q.device, stream, b * shape.kv_heads * chunks)
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
@@ -375,9 +390,9 @@ class CudaDecode:
         launch_in_context(main, (main.fn, splits, shape.kv_heads * chunks, b,
                                   self.main.threads, 1, 1, self.main.smem_bytes, stream,
                                   ctypes.addressof(args[1]), 0))
-        if splits > 1 and not self.fused:
+        if parts > 1 and not self.fused:
             cargs = DECODE_COMBINE_ARGS.pack(part.data_ptr(), lse_part.data_ptr(),  # type: ignore[union-attr]
-                                             out.data_ptr(), ptr(lse), b, q_len, h, splits,
+                                             out.data_ptr(), ptr(lse), b, q_len, h, parts,
                                              out.stride(0), out.stride(1), out.stride(2))
             threads = b * q_len * h * (d // 4)
             launch_in_context(combine, (combine.fn, -(-threads // DECODE_COMBINE_THREADS), 1, 1,

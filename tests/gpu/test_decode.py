@@ -6,7 +6,9 @@ lengths no multiple of a tile or a page, GQA 32/8 and 64/8 and MQA, q_len 1, 4 a
 split and many (the combine), contiguous and paged caches; every point with both merges of
 the warps (MERGE: slices, and the legacy atomics) and, after the slices merge, both combines of
 the splits (COMBINE: the combine kernel, and fused into the last block of each group, merging
-one or several quads a thread at once: COMBINE_ITEMS).
+one or several quads a thread at once: COMBINE_ITEMS); on sm_90, the splits in thread block
+clusters that merge through distributed shared memory (CLUSTER), with one cluster of every
+split and several, and clusters whose splits outnumber the cache's tiles.
 """
 
 from __future__ import annotations
@@ -57,10 +59,11 @@ def space() -> SearchSpace:
 
 @functools.cache
 def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
-            combine: str = "kernel", items: int = 1) -> list[DecodeKernel]:
+            combine: str = "kernel", items: int = 1, cluster: int = 1) -> list[DecodeKernel]:
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
-    points = [dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items) for p in POINTS]
+    points = [dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster)
+              for p in POINTS]
     cands: list[Candidate] = [make_candidate(space(), p, problem, arch) for p in points
                               if not space().violations(p, problem, arch)]
     return [DecodeKernel(c, r) for c, r in zip(cands, compile_many(cands, arch), strict=True)]
@@ -89,6 +92,34 @@ def test_decode_criterion(head_dim: int, dtype: str, paged: bool, merge: str,
             assert v.ok, f"{kernel.name} {lengths} q{q_len} {heads}/{kv}: {v.reason}"
 
 
+@pytest.mark.parametrize("combine, items", [("kernel", 1), ("fused", 4)])
+@pytest.mark.parametrize("cluster", [2, 8])
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_clusters(head_dim: int, dtype: str, paged: bool, cluster: int, combine: str,
+                  items: int) -> None:
+    """CLUSTER on every point and case: one split (fixed 1) becomes one cluster whose blocks
+    past the cache's tiles see no key; 32 fixed splits are 16, 8 or 4 clusters' parts; the
+    waves points' splits are rounded down to whole clusters."""
+    if gpu_arch().sm < 90:
+        pytest.skip("thread block clusters are sm_90's")
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    ks = kernels(head_dim, dtype, paged, "slices", combine, items, cluster)
+    assert len(ks) == len(POINTS)
+    for kernel in ks:
+        assert kernel.cluster == cluster
+        for lengths, q_len, heads, kv, page in CASES:
+            capacity = max(lengths)
+            if paged:
+                capacity = -(-capacity // page) * page
+            v = validate.check_decode(kernel, lengths=list(lengths), capacity=capacity,
+                                      q_len=q_len, heads=heads, kv_heads=kv,
+                                      head_dim=head_dim, dtype=torch_dtype, paged=paged,
+                                      page_size=page, seed=len(lengths) * 1000 + q_len)
+            assert v.ok, f"{kernel.name} {lengths} q{q_len} {heads}/{kv}: {v.reason}"
+
+
 @functools.cache
 def other_kernels(head_dim: int, paged: bool, combine: str) -> list[DecodeKernel]:
     """The hand-picked points the space admits at ``head_dim``, topped up to three with
@@ -96,7 +127,8 @@ def other_kernels(head_dim: int, paged: bool, combine: str) -> list[DecodeKernel
     without spills."""
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE="bf16", PAGED=paged)
-    points = [dict(p, MERGE="slices", COMBINE=combine, COMBINE_ITEMS=1) for p in POINTS]
+    points = [dict(p, MERGE="slices", COMBINE=combine, COMBINE_ITEMS=1, CLUSTER=1)
+              for p in POINTS]
     points = [p for p in points if not space().violations(p, problem, arch)]
     drawn = [p for p in space().admitted(problem, arch)
              if p["MERGE"] == "slices" and p["COMBINE"] == combine]
