@@ -59,12 +59,10 @@ def space() -> SearchSpace:
 
 @functools.cache
 def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
-            combine: str = "kernel", items: int = 1, cluster: int = 1,
-            batch: int = 0) -> list[DecodeKernel]:
+            combine: str = "kernel", items: int = 1, cluster: int = 1) -> list[DecodeKernel]:
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
-    points = [dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster,
-                   COMBINE_BATCH=batch)
+    points = [dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster)
               for p in POINTS]
     cands: list[Candidate] = [make_candidate(space(), p, problem, arch) for p in points
                               if not space().violations(p, problem, arch)]
@@ -122,30 +120,6 @@ def test_clusters(head_dim: int, dtype: str, paged: bool, cluster: int, combine:
             assert v.ok, f"{kernel.name} {lengths} q{q_len} {heads}/{kv}: {v.reason}"
 
 
-@pytest.mark.parametrize("combine", ["kernel", "fused"])
-@pytest.mark.parametrize("batch", [16, 32])
-@pytest.mark.parametrize("paged", [True, False])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", [128, 64])
-def test_batched_combine_loads(head_dim: int, dtype: str, paged: bool, batch: int,
-                               combine: str) -> None:
-    """COMBINE_BATCH on every point and case: parts up to the batch (all loaded at once, the
-    slots past the last unused) and more (32 fixed splits at batch 16: the loops as before)."""
-    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    ks = kernels(head_dim, dtype, paged, "slices", combine, 1, batch=batch)
-    assert ks
-    for kernel in ks:
-        for lengths, q_len, heads, kv, page in CASES:
-            capacity = max(lengths)
-            if paged:
-                capacity = -(-capacity // page) * page
-            v = validate.check_decode(kernel, lengths=list(lengths), capacity=capacity,
-                                      q_len=q_len, heads=heads, kv_heads=kv,
-                                      head_dim=head_dim, dtype=torch_dtype, paged=paged,
-                                      page_size=page, seed=len(lengths) * 1000 + q_len)
-            assert v.ok, f"{kernel.name} {lengths} q{q_len} {heads}/{kv}: {v.reason}"
-
-
 @functools.cache
 def other_kernels(head_dim: int, paged: bool, combine: str) -> list[DecodeKernel]:
     """The hand-picked points the space admits at ``head_dim``, topped up to three with
@@ -153,8 +127,7 @@ def other_kernels(head_dim: int, paged: bool, combine: str) -> list[DecodeKernel
     without spills."""
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE="bf16", PAGED=paged)
-    points = [dict(p, MERGE="slices", COMBINE=combine, COMBINE_ITEMS=1, CLUSTER=1,
-                   COMBINE_BATCH=0)
+    points = [dict(p, MERGE="slices", COMBINE=combine, COMBINE_ITEMS=1, CLUSTER=1)
               for p in POINTS]
     points = [p for p in points if not space().violations(p, problem, arch)]
     drawn = [p for p in space().admitted(problem, arch)
@@ -200,29 +173,22 @@ def test_slices_merge_is_deterministic() -> None:
         assert torch.equal(first, kernel(q, k, v, lens, table)), kernel.name
 
 
-def _fused_and_kernel(head_dim: int = 128, items: int = 1,
-                      batch: int = 0) -> list[tuple[DecodeKernel, DecodeKernel]]:
-    """(fused, kernel) twins of the points with several splits, the fused one with ``items``
-    quads a thread and COMBINE_BATCH ``batch``, the kernel combine as it was (batch 0); with a
-    batch, also the kernel combine with it next to the kernel combine without."""
-    legacy = kernels(head_dim, "fp16", True, "slices", "kernel")
-    pairs = list(zip(kernels(head_dim, "fp16", True, "slices", "fused", items, batch=batch),
-                     legacy, strict=True))
-    if batch:
-        pairs += zip(kernels(head_dim, "fp16", True, "slices", "kernel", batch=batch), legacy,
-                     strict=True)
+def _fused_and_kernel(head_dim: int = 128,
+                      items: int = 1) -> list[tuple[DecodeKernel, DecodeKernel]]:
+    """(fused, kernel) twins of the points with several splits."""
+    pairs = zip(kernels(head_dim, "fp16", True, "slices", "fused", items),
+                kernels(head_dim, "fp16", True, "slices", "kernel"), strict=True)
     return [(f, k) for f, k in pairs if f.split_policy == "waves" or f.splits > 1]
 
 
-@pytest.mark.parametrize("items, batch", [(1, 0), (2, 0), (4, 0), (1, 16), (1, 32)])
-def test_the_fused_combine_is_the_combine_kernel_bit_for_bit(items: int, batch: int) -> None:
+@pytest.mark.parametrize("items", [1, 2, 4])
+def test_the_fused_combine_is_the_combine_kernel_bit_for_bit(items: int) -> None:
     """The fused combine runs the combine kernel's arithmetic in the same order: the same
     bits out and lse, over calls of several shapes one after another on one stream (each
     launch must find its counters as the last left them: zero), on a contiguous and a paged
-    cache, with one split and many, one quad a thread at a time or ``items`` at once; and
-    COMBINE_BATCH's loads of every part at once (fused or kernel) change no bit either."""
+    cache, with one split and many, one quad a thread at a time or ``items`` at once."""
     gen = torch.Generator(device="cuda").manual_seed(3)
-    pairs = _fused_and_kernel(items=items, batch=batch)
+    pairs = _fused_and_kernel(items=items)
     assert pairs
     for batch, lengths, q_len, heads in ((3, [4099, 1, 700], 4, 32), (1, [30000], 1, 64),
                                          (5, [0, 5, 64, 65, 2000], 16, 8), (2, [9, 8191], 1, 8)):
