@@ -5,6 +5,7 @@ tensors where the check does not need the device) and the float64 reference."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import struct
 
 import pytest
@@ -539,4 +540,56 @@ def test_clusters_build_on_sm90_only() -> None:
             assert "LDL" not in ops and "STL" not in ops, cand.identity
     plain = make_candidate(space, dict(fused, CLUSTER=1), problem_, target)
     assert "__cluster_dims__" not in render(plain)
+
+
+def test_the_cooperative_combine_launches_cooperatively(monkeypatch: pytest.MonkeyPatch) -> None:
+    """COMBINE "cooperative", driver faked: with several splits one cooperative launch (every
+    block resident) given two zeroed counters a group from its stream's set; with one split an
+    ordinary launch and no counters."""
+    import evoengine.launch.decode as launch_decode
+
+    stream = [7001]
+    k, fake = _fake_decode("cooperative", monkeypatch, stream)
+    cooperative: list[int] = []
+
+    def coop(loaded: object, args: tuple) -> None:
+        cooperative.append(len(args))
+        fake(loaded, (*args, 0))
+    monkeypatch.setattr(launch_decode, "launch_cooperative_in_context", coop)
+    q = torch.zeros(2, 1, 8, 128, dtype=torch.float16)
+    cache = torch.zeros(2, 4096, 2, 128, dtype=torch.float16)
+    lens = torch.full((2,), 4096, dtype=torch.int32)
+    shape = DecodeShape(batch=2, q_len=1, q_heads=8, kv_heads=2, head_dim=128, paged=False,
+                        page_size=0, capacity=4096, num_pages=0)
+    out = torch.empty_like(q)
+    k.launch(q, cache, cache, lens, None, out, None, shape, causal=True, scale=0.1)
+    assert cooperative == [10]  # no `extra`: cuLaunchCooperativeKernel's arguments
+    ((entry, address, held),) = fake.launches
+    assert entry == "main" and address != 0 and held == [0, 0, 0, 0]
+    assert list((ctypes.c_int32 * 8).from_address(address)) == [0] * 8  # 2 groups x 2 each
+    fake.launches.clear()
+    k.splits = 1
+    k.launch(q, cache, cache, lens, None, out, None, shape, causal=True, scale=0.1)
+    assert fake.launches == [("main", 0, None)] and cooperative == [10]
+
+
+def test_the_cooperative_combine_builds_for_one_wave_of_every_target() -> None:
+    """COMBINE "cooperative" (an [untested] value until its GPU tests pass) compiles without
+    spills on every target; the space keeps it to the waves policy's one wave (a cooperative
+    launch must fit the GPU at once), after the slices merge and without clusters."""
+    space = SearchSpace.load(SPACE).with_untested()
+    problem_ = {"HEAD_DIM": 128, "DTYPE": "bf16", "PAGED": True}
+    params = space.complete(dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=2, VEC_BYTES=16,
+                                 L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
+                                 COMBINE="cooperative", COMBINE_ITEMS=1))
+    for arch in ("sm_80", "sm_89", "sm_90a"):
+        cand = make_candidate(space, params, problem_, get_arch(arch))
+        assert "COMBINE_COOP = true;" in render(cand)
+        result = compile_candidate(cand, get_arch(arch))
+        assert result.ok, result.error
+        assert result.spill_bytes == 0, (arch, cand.identity)
+    target = get_arch("sm_90a")
+    for bad in (dict(params, SPLIT_POLICY="fixed"), dict(params, SPLITS=2),
+                dict(params, CLUSTER=2), dict(params, MERGE="atomic")):
+        assert space.violations(bad, problem_, target), bad
 

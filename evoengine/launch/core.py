@@ -307,12 +307,22 @@ class Loaded(NamedTuple):
     get_ctx: Callable[[], int]  # cuCtxGetCurrent
     set_ctx: Callable[[int], None]  # cuCtxSetCurrent
     owner: object  # the cupy module; unloading it would free the function
+    # cupy.cuda.driver.launchCooperativeKernel (every block resident at once, or an error)
+    launch_cooperative: Callable[..., None] | None = None
 
 
 
 def launch_in_context(loaded: Loaded, args: tuple) -> None:
     """cuLaunchKernel in the kernel's device context, whatever context the thread has."""
     in_context(loaded, loaded.launch, *args)
+
+
+def launch_cooperative_in_context(loaded: Loaded, args: tuple) -> None:
+    """cuLaunchCooperativeKernel in the kernel's device context: ``args`` as
+    ``launch_in_context``'s, without the trailing ``extra``."""
+    if loaded.launch_cooperative is None:
+        raise RuntimeError("this kernel was loaded without a cooperative launch")
+    in_context(loaded, loaded.launch_cooperative, *args)
 
 
 def in_context(loaded: Loaded, fn: Callable[..., None], *args: Any) -> None:

@@ -22,7 +22,10 @@ Kernel ABI (two entries of one cubin, launched in order on torch's current strea
   which a ``fused`` kernel (COMBINE) then merges itself: ``counters`` holds an int32 per
   (batch, kv head x row chunk), zero before the launch and zero again after it (the last
   block of a group to finish resets it), one set per (device, stream) (``split_counters``);
-  null for a ``kernel`` combine, which launches
+  a ``cooperative`` kernel, launched cooperatively (every block resident), merges them with
+  every block of the group once all have written theirs: two counters a group (arrive, then
+  depart past every group's), zero before and after likewise; null for a ``kernel`` combine,
+  which launches
 - ``attn_decode_combine(O_part, LSE_part, O, LSE, batch, q_len, q_heads, parts, o_sb, o_ss,
   o_sh)`` on ceil(B * q_len * H * D / 4 / 256) blocks of 256 threads: merges the parts.
 
@@ -56,6 +59,7 @@ from evoengine.launch.core import (
     check_flag,
     check_grid_dims,
     check_shared,
+    launch_cooperative_in_context,
     launch_in_context,
     raw_stream,
     sdpa_attention,
@@ -71,7 +75,7 @@ DECODE_COMBINE_THREADS = 256  # the template's cfg::DECODE_COMBINE_THREADS
 MAX_DECODE_Q_LEN = 16
 MAX_DECODE_SPLITS = 256  # parts are fp32 [splits, B, q_len, H, D]: bounded memory
 SPLIT_POLICIES = ("waves", "fixed")
-COMBINES = ("kernel", "fused")
+COMBINES = ("kernel", "fused", "cooperative")
 
 
 class DecodeShape(NamedTuple):
@@ -293,6 +297,8 @@ class CudaDecode:
         self.block_m, self.block_n = int(block_m), int(block_n)
         self.split_policy, self.splits = split_policy, int(splits)
         self.fused = combine == "fused"  # several splits merged by the main kernel's last block
+        # ... or by all of the main kernel's blocks together, launched cooperatively
+        self.cooperative = combine == "cooperative"
         # Splits per thread block cluster, compiled in: a call's splits are a multiple of it,
         # and each cluster writes one part.
         self.cluster = int(cluster)
@@ -376,8 +382,11 @@ class CudaDecode:
             # the memory goes only to work ordered after them on this stream.
             part = torch.empty((parts, b, q_len, h, d), dtype=torch.float32, device=q.device)
             lse_part = torch.empty((parts, b, q_len, h), dtype=torch.float32, device=q.device)
+            groups = b * shape.kv_heads * chunks
             if self.fused:
-                counters = split_counters(q.device, stream, b * shape.kv_heads * chunks)
+                counters = split_counters(q.device, stream, groups)
+            elif self.cooperative:  # an arrive and a depart counter a group
+                counters = split_counters(q.device, stream, 2 * groups)
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         page_log2 = shape.page_size.bit_length() - 1 if shape.paged else 0
         args = DECODE_MAIN_ARGS.pack(
@@ -387,10 +396,13 @@ class CudaDecode:
             q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), out.stride(0), out.stride(1), out.stride(2),
             0 if block_table is None else block_table.stride(0), scale * LOG2E)
-        launch_in_context(main, (main.fn, splits, shape.kv_heads * chunks, b,
-                                  self.main.threads, 1, 1, self.main.smem_bytes, stream,
-                                  ctypes.addressof(args[1]), 0))
-        if parts > 1 and not self.fused:
+        grid = (main.fn, splits, shape.kv_heads * chunks, b, self.main.threads, 1, 1,
+                self.main.smem_bytes, stream, ctypes.addressof(args[1]))
+        if self.cooperative and parts > 1:
+            launch_cooperative_in_context(main, grid)
+        else:
+            launch_in_context(main, (*grid, 0))
+        if parts > 1 and not (self.fused or self.cooperative):
             cargs = DECODE_COMBINE_ARGS.pack(part.data_ptr(), lse_part.data_ptr(),  # type: ignore[union-attr]
                                              out.data_ptr(), ptr(lse), b, q_len, h, parts,
                                              out.stride(0), out.stride(1), out.stride(2))

@@ -181,7 +181,8 @@ class CudaKernel:
             driver.funcSetAttribute(
                 fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem_bytes)
             return Loaded(fn.ptr, driver.ctxGetCurrent(), driver.launchKernel,
-                           driver.ctxGetCurrent, driver.ctxSetCurrent, (owner, fn))
+                           driver.ctxGetCurrent, driver.ctxSetCurrent, (owner, fn),
+                           driver.launchCooperativeKernel)
 
     def _compile(self, arch: str, smem_limit: int) -> tuple[Any, Any]:
         import cupy

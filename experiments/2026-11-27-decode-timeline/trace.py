@@ -57,8 +57,10 @@ PATCHES = [
     ("__syncthreads();  // the ring is free: the merge takes it\n", "  evo_mark(2);\n"),
 ]
 # Before the slices merge's combine call (the searched merge), and after it.
-COMBINE_CALL = "    if constexpr (COMBINE_FUSED) combine_if_last();\n    return;\n  }\n"
-COMBINE_TRACED = ("    evo_mark(3);\n    if constexpr (COMBINE_FUSED) combine_if_last();\n"
+COMBINE_CALL = ("    if constexpr (COMBINE_COOP) combine_together();\n"
+                "    if constexpr (COMBINE_FUSED) combine_if_last();\n    return;\n  }\n")
+COMBINE_TRACED = ("    evo_mark(3);\n    if constexpr (COMBINE_COOP) combine_together();\n"
+                  "    if constexpr (COMBINE_FUSED) combine_if_last();\n"
                   "    evo_mark(4);\n    return;\n  }\n")
 
 

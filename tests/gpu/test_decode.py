@@ -59,11 +59,14 @@ def space() -> SearchSpace:
 
 @functools.cache
 def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
-            combine: str = "kernel", items: int = 1, cluster: int = 1) -> list[DecodeKernel]:
+            combine: str = "kernel", items: int = 1, cluster: int = 1,
+            one_wave: bool = False) -> list[DecodeKernel]:
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
     points = [dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster)
               for p in POINTS]
+    if one_wave:  # the cooperative combine's policy (and its twins')
+        points = [dict(p, SPLIT_POLICY="waves", SPLITS=1) for p in points]
     cands: list[Candidate] = [make_candidate(space(), p, problem, arch) for p in points
                               if not space().violations(p, problem, arch)]
     return [DecodeKernel(c, r) for c, r in zip(cands, compile_many(cands, arch), strict=True)]
@@ -181,6 +184,36 @@ def _fused_and_kernel(head_dim: int = 128,
     return [(f, k) for f, k in pairs if f.split_policy == "waves" or f.splits > 1]
 
 
+def _cooperative_and_kernel(head_dim: int = 128) -> list[tuple[DecodeKernel, DecodeKernel]]:
+    """(cooperative, kernel) combine twins of the points, at the waves policy's one wave."""
+    return list(zip(kernels(head_dim, "fp16", True, "slices", "cooperative", one_wave=True),
+                    kernels(head_dim, "fp16", True, "slices", "kernel", one_wave=True),
+                    strict=True))
+
+
+@pytest.mark.parametrize("combine", ["kernel", "cooperative"])
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_one_wave_and_the_cooperative_combine(head_dim: int, dtype: str, paged: bool,
+                                             combine: str) -> None:
+    """The points at the waves policy's one wave (every case has several splits a group), with
+    the kernel combine and the cooperative one (every block of a group merges a share)."""
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    ks = kernels(head_dim, dtype, paged, "slices", combine, one_wave=True)
+    assert ks
+    for kernel in ks:
+        for lengths, q_len, heads, kv, page in CASES:
+            capacity = max(lengths)
+            if paged:
+                capacity = -(-capacity // page) * page
+            v = validate.check_decode(kernel, lengths=list(lengths), capacity=capacity,
+                                      q_len=q_len, heads=heads, kv_heads=kv,
+                                      head_dim=head_dim, dtype=torch_dtype, paged=paged,
+                                      page_size=page, seed=len(lengths) * 1000 + q_len)
+            assert v.ok, f"{kernel.name} {lengths} q{q_len} {heads}/{kv}: {v.reason}"
+
+
 @pytest.mark.parametrize("items", [1, 2, 4])
 def test_the_fused_combine_is_the_combine_kernel_bit_for_bit(items: int) -> None:
     """The fused combine runs the combine kernel's arithmetic in the same order: the same
@@ -189,6 +222,8 @@ def test_the_fused_combine_is_the_combine_kernel_bit_for_bit(items: int) -> None
     cache, with one split and many, one quad a thread at a time or ``items`` at once."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     pairs = _fused_and_kernel(items=items)
+    if items == 1:  # and the cooperative combine, the same arithmetic by other blocks
+        pairs += _cooperative_and_kernel()
     assert pairs
     for batch, lengths, q_len, heads in ((3, [4099, 1, 700], 4, 32), (1, [30000], 1, 64),
                                          (5, [0, 5, 64, 65, 2000], 16, 8), (2, [9, 8191], 1, 8)):
@@ -207,12 +242,13 @@ def test_the_fused_combine_is_the_combine_kernel_bit_for_bit(items: int) -> None
             assert torch.equal(lse_f, lse_k), (fused.name, lengths)
 
 
-def test_the_fused_combine_replays_in_a_cuda_graph_and_on_two_streams() -> None:
-    """Graph replay, as servers run decode: 5 replays of a captured fused call give the eager
-    answer each time (the counters reset themselves); two streams running fused calls at
-    once each use their own counters and give the eager answers."""
+@pytest.mark.parametrize("combine", ["fused", "cooperative"])
+def test_the_fused_combine_replays_in_a_cuda_graph_and_on_two_streams(combine: str) -> None:
+    """Graph replay, as servers run decode: 5 replays of a captured fused (or cooperative)
+    call give the eager answer each time (the counters reset themselves); two streams running
+    such calls at once each use their own counters and give the eager answers."""
     gen = torch.Generator(device="cuda").manual_seed(4)
-    fused, _ = _fused_and_kernel()[0]
+    fused, _ = (_fused_and_kernel() if combine == "fused" else _cooperative_and_kernel())[0]
     k, v, lens, table = validate.decode_cache(4, [4096, 100, 3000, 1], 4096, 8, 128,
                                               torch.float16, paged=True, page_size=64,
                                               gen=gen, device="cuda")
