@@ -19,6 +19,9 @@ Rows carry ``bandwidth_fraction`` = (K/V bytes read / ours_us) / (2 x copied byt
 ``--points``: a JSON list of parameter dicts (each tried on every row), or a dict from a
 decode workload key to a list of them (tried on that row only; rows it does not name get the
 union); ``--store``: the decode elites of a store, by workload (rank 1 first), the same way.
+``--base-templates DIR`` (another tree's ``templates/``): each point is also built from those
+and timed beside, as ``<identity>@base`` in ``points_us`` (a template change's A/B, both through
+the criterion); the row's own point is the fastest of the current templates' builds.
 """
 
 from __future__ import annotations
@@ -102,9 +105,9 @@ def run_row(w: DecodeWorkload, params: list[dict[str, Any]], args: argparse.Name
     import torch
 
     from evoengine import measure, paths
-    from evoengine.compile import compile_many
+    from evoengine.compile import compile_many, compile_source
     from evoengine.decode import DecodeKernel
-    from evoengine.render import make_candidate
+    from evoengine.render import make_candidate, render
     from evoengine.space import SearchSpace
 
     problem = Decode()
@@ -117,11 +120,18 @@ def run_row(w: DecodeWorkload, params: list[dict[str, Any]], args: argparse.Name
             rejected[str(p)] = bad[0]
             continue
         cands.append(make_candidate(space, p, w.problem(), arch))
-    for cand, compiled in zip(cands, compile_many(cands, arch), strict=True):  # in parallel
+    builds = [(cand, compiled, "") for cand, compiled in
+              zip(cands, compile_many(cands, arch), strict=True)]  # in parallel
+    if args.base_templates:
+        builds += [(c, compile_source(render(c, args.base_templates), arch, c.defines(arch),
+                                      identity=f"{c.identity}@base", smem_bytes=c.smem_bytes),
+                    "@base") for c in cands]
+    for cand, compiled, tag in builds:
         if not compiled.ok:
-            rejected[cand.identity] = compiled.error
+            rejected[cand.identity + tag] = compiled.error
             continue
         kernel = DecodeKernel(cand, compiled)
+        kernel.name += tag
         if args.check:
             verdict = problem.check(kernel, w)
             if not verdict.ok:
@@ -151,6 +161,7 @@ def run_row(w: DecodeWorkload, params: list[dict[str, Any]], args: argparse.Name
     del sets
     torch.cuda.empty_cache()
     med = {name: statistics.median(v) for name, v in ours.items() if v}
+    own = {name: t for name, t in med.items() if not name.endswith("@base")}
     anchor_us = {a: statistics.median(v) for a, v in anchors.items() if v}
     copy_us = statistics.median(copies)
     row: dict[str, Any] = dict(
@@ -158,15 +169,15 @@ def run_row(w: DecodeWorkload, params: list[dict[str, Any]], args: argparse.Name
         q_heads=w.q_heads, kv_heads=w.kv_heads, head_dim=w.head_dim, layout=w.layout,
         page_size=w.page_size, dtype=w.dtype, kv_bytes=w.kv_bytes(), copy_us=copy_us,
         anchors_us=anchor_us, anchors_graph=graphed, points_us=med, rejected=rejected)
-    if med:
-        best = min(med, key=med.get)  # type: ignore[arg-type]
-        row.update(ours_us=med[best], point=best,
-                   bandwidth_fraction=bandwidth_fraction(w, med[best], copy_us),
-                   ours_gbps=w.kv_bytes() / med[best] / 1e3)
+    if own:
+        best = min(own, key=own.get)  # type: ignore[arg-type]
+        row.update(ours_us=own[best], point=best,
+                   bandwidth_fraction=bandwidth_fraction(w, own[best], copy_us),
+                   ours_gbps=w.kv_bytes() / own[best] / 1e3)
     if anchor_us:
         a = min(anchor_us, key=anchor_us.get)  # type: ignore[arg-type]
         row.update(best_anchor=a, best_anchor_us=anchor_us[a])
-        if med:
+        if own:
             row["vs_best_anchor"] = anchor_us[a] / row["ours_us"]
     return row
 
@@ -205,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--base-templates", type=Path, metavar="DIR",
+                   help="also build each point from these templates and time it beside")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the criterion (points already validated on these rows)")
     args = p.parse_args(argv)
@@ -223,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             doc = provenance.header(**provenance.local_device(), method=(
                 f"{Decode().method()}; {args.rounds} rounds interleaved, median of the rounds' "
                 f"medians ({args.reps} reps each); copy: torch copy_ of the K and V bytes into "
-                f"one buffer; {measure.INPUTS}"), summary=text, checked=args.check, rows=rows)
+                f"one buffer; {measure.INPUTS}"
+                + (f"; each point also built from {args.base_templates} and timed beside "
+                   "(@base)" if args.base_templates else "")),
+                summary=text, checked=args.check, rows=rows)
             Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
         return text
 
