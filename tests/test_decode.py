@@ -574,7 +574,7 @@ def test_the_cooperative_combine_launches_cooperatively(monkeypatch: pytest.Monk
 
 
 def test_the_cooperative_combine_builds_for_one_wave_of_every_target() -> None:
-    """COMBINE "cooperative" (an [untested] value until its GPU tests pass) compiles without
+    """COMBINE "cooperative" (its GPU tests: tests/gpu/test_decode.py) compiles without
     spills on every target; the space keeps it to the waves policy's one wave (a cooperative
     launch must fit the GPU at once), after the slices merge and without clusters."""
     space = SearchSpace.load(SPACE).with_untested()
