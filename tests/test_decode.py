@@ -443,6 +443,18 @@ def _fake_decode(combine: str, monkeypatch: pytest.MonkeyPatch, stream: list[int
     return k, fake
 
 
+def _launch(k: CudaDecode) -> None:
+    """One launch of a faked kernel (``_fake_decode``) on CPU tensors: batch 2, q_len 1, 8/2
+    heads, a contiguous cache of 4096 keys."""
+    q = torch.zeros(2, 1, 8, 128, dtype=torch.float16)
+    cache = torch.zeros(2, 4096, 2, 128, dtype=torch.float16)
+    lens = torch.full((2,), 4096, dtype=torch.int32)
+    shape = DecodeShape(batch=2, q_len=1, q_heads=8, kv_heads=2, head_dim=128, paged=False,
+                        page_size=0, capacity=4096, num_pages=0)
+    k.launch(q, cache, cache, lens, None, torch.empty_like(q), None, shape, causal=True,
+             scale=0.1)
+
+
 @pytest.mark.parametrize("combine", ["kernel", "fused"])
 def test_the_fused_combine_launches_once_with_the_streams_zeroed_counters(
         combine: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -452,15 +464,9 @@ def test_the_fused_combine_launches_once_with_the_streams_zeroed_counters(
     launches and no counters; with one split, one launch and no counters either way."""
     stream = [7001]
     k, fake = _fake_decode(combine, monkeypatch, stream)
-    q = torch.zeros(2, 1, 8, 128, dtype=torch.float16)
-    cache = torch.zeros(2, 4096, 2, 128, dtype=torch.float16)
-    lens = torch.full((2,), 4096, dtype=torch.int32)
-    shape = DecodeShape(batch=2, q_len=1, q_heads=8, kv_heads=2, head_dim=128, paged=False,
-                        page_size=0, capacity=4096, num_pages=0)
-    out = torch.empty_like(q)
     for s in (7001, 7001, 7002):
         stream[0] = s
-        k.launch(q, cache, cache, lens, None, out, None, shape, causal=True, scale=0.1)
+        _launch(k)
     if combine == "kernel":
         assert [e for e, _, _ in fake.launches] == ["main", "combine"] * 3
         assert all(address == 0 for e, address, _ in fake.launches if e == "main")
@@ -471,7 +477,7 @@ def test_the_fused_combine_launches_once_with_the_streams_zeroed_counters(
         assert all(held == [0, 0, 0, 0] for _, _, held in fake.launches)
     fake.launches.clear()
     k.splits = 1
-    k.launch(q, cache, cache, lens, None, out, None, shape, causal=True, scale=0.1)
+    _launch(k)
     assert fake.launches == [("main", 0, None)]
     with pytest.raises(ValueError, match="combine must be one of"):
         CudaDecode("d", head_dim=128, dtype="fp16", paged=False, block_m=16, block_n=64,
@@ -494,17 +500,11 @@ def test_a_cluster_writes_one_part(combine: str, monkeypatch: pytest.MonkeyPatch
     launch, no counters); with several, a combine over the clusters' parts."""
     stream = [7001]
     k, fake = _fake_decode(combine, monkeypatch, stream, cluster=8)
-    q = torch.zeros(2, 1, 8, 128, dtype=torch.float16)
-    cache = torch.zeros(2, 4096, 2, 128, dtype=torch.float16)
-    lens = torch.full((2,), 4096, dtype=torch.int32)
-    shape = DecodeShape(batch=2, q_len=1, q_heads=8, kv_heads=2, head_dim=128, paged=False,
-                        page_size=0, capacity=4096, num_pages=0)
-    out = torch.empty_like(q)
-    k.launch(q, cache, cache, lens, None, out, None, shape, causal=True, scale=0.1)  # 4 -> 8
+    _launch(k)  # 4 splits -> 8
     assert fake.launches == [("main", 0, None)] and fake.splits == [8]
     fake.launches.clear()
     k.splits = 20  # -> 16 splits, two clusters' parts
-    k.launch(q, cache, cache, lens, None, out, None, shape, causal=True, scale=0.1)
+    _launch(k)
     assert fake.splits == [8, 16]
     if combine == "kernel":
         assert [e for e, _, _ in fake.launches] == ["main", "combine"] and fake.parts == [2]
@@ -556,20 +556,14 @@ def test_the_cooperative_combine_launches_cooperatively(monkeypatch: pytest.Monk
         cooperative.append(len(args))
         fake(loaded, (*args, 0))
     monkeypatch.setattr(launch_decode, "launch_cooperative_in_context", coop)
-    q = torch.zeros(2, 1, 8, 128, dtype=torch.float16)
-    cache = torch.zeros(2, 4096, 2, 128, dtype=torch.float16)
-    lens = torch.full((2,), 4096, dtype=torch.int32)
-    shape = DecodeShape(batch=2, q_len=1, q_heads=8, kv_heads=2, head_dim=128, paged=False,
-                        page_size=0, capacity=4096, num_pages=0)
-    out = torch.empty_like(q)
-    k.launch(q, cache, cache, lens, None, out, None, shape, causal=True, scale=0.1)
+    _launch(k)
     assert cooperative == [10]  # no `extra`: cuLaunchCooperativeKernel's arguments
     ((entry, address, held),) = fake.launches
     assert entry == "main" and address != 0 and held == [0, 0, 0, 0]
     assert list((ctypes.c_int32 * 8).from_address(address)) == [0] * 8  # 2 groups x 2 each
     fake.launches.clear()
     k.splits = 1
-    k.launch(q, cache, cache, lens, None, out, None, shape, causal=True, scale=0.1)
+    _launch(k)
     assert fake.launches == [("main", 0, None)] and cooperative == [10]
 
 

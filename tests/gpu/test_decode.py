@@ -52,6 +52,21 @@ CASES = [
 ]
 
 
+def check_cases(ks: list[DecodeKernel], head_dim: int, dtype: torch.dtype, paged: bool,
+                cases: list[tuple] = CASES) -> None:
+    """The criterion (``validate.check_decode``, fresh inputs) on every kernel and case."""
+    for kernel in ks:
+        for lengths, q_len, heads, kv, page in cases:
+            capacity = max(lengths)
+            if paged:
+                capacity = -(-capacity // page) * page
+            v = validate.check_decode(kernel, lengths=list(lengths), capacity=capacity,
+                                      q_len=q_len, heads=heads, kv_heads=kv,
+                                      head_dim=head_dim, dtype=dtype, paged=paged,
+                                      page_size=page, seed=len(lengths) * 1000 + q_len)
+            assert v.ok, f"{kernel.name} {lengths} q{q_len} {heads}/{kv}: {v.reason}"
+
+
 @functools.cache
 def space() -> SearchSpace:
     return SearchSpace.load(paths.SPACES / "decode.toml").with_untested()
@@ -83,16 +98,7 @@ def test_decode_criterion(head_dim: int, dtype: str, paged: bool, merge: str,
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     ks = kernels(head_dim, dtype, paged, merge, combine, items)
     assert ks
-    for kernel in ks:
-        for lengths, q_len, heads, kv, page in CASES:
-            capacity = max(lengths)
-            if paged:
-                capacity = -(-capacity // page) * page
-            v = validate.check_decode(kernel, lengths=list(lengths), capacity=capacity,
-                                      q_len=q_len, heads=heads, kv_heads=kv,
-                                      head_dim=head_dim, dtype=torch_dtype, paged=paged,
-                                      page_size=page, seed=len(lengths) * 1000 + q_len)
-            assert v.ok, f"{kernel.name} {lengths} q{q_len} {heads}/{kv}: {v.reason}"
+    check_cases(ks, head_dim, torch_dtype, paged)
 
 
 @pytest.mark.parametrize("combine, items", [("kernel", 1), ("fused", 4)])
@@ -110,17 +116,8 @@ def test_clusters(head_dim: int, dtype: str, paged: bool, cluster: int, combine:
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     ks = kernels(head_dim, dtype, paged, "slices", combine, items, cluster)
     assert ks
-    for kernel in ks:
-        assert kernel.cluster == cluster
-        for lengths, q_len, heads, kv, page in CASES:
-            capacity = max(lengths)
-            if paged:
-                capacity = -(-capacity // page) * page
-            v = validate.check_decode(kernel, lengths=list(lengths), capacity=capacity,
-                                      q_len=q_len, heads=heads, kv_heads=kv,
-                                      head_dim=head_dim, dtype=torch_dtype, paged=paged,
-                                      page_size=page, seed=len(lengths) * 1000 + q_len)
-            assert v.ok, f"{kernel.name} {lengths} q{q_len} {heads}/{kv}: {v.reason}"
+    assert all(kernel.cluster == cluster for kernel in ks)
+    check_cases(ks, head_dim, torch_dtype, paged)
 
 
 @functools.cache
@@ -151,16 +148,7 @@ def test_other_head_dims(head_dim: int, paged: bool, combine: str) -> None:
     float4s; d32 and d256 keep the column walk."""
     ks = other_kernels(head_dim, paged, combine)
     assert ks
-    for kernel in ks:
-        for lengths, q_len, heads, kv, page in CASES[:3]:
-            capacity = max(lengths)
-            if paged:
-                capacity = -(-capacity // page) * page
-            v = validate.check_decode(kernel, lengths=list(lengths), capacity=capacity,
-                                      q_len=q_len, heads=heads, kv_heads=kv,
-                                      head_dim=head_dim, dtype=torch.bfloat16, paged=paged,
-                                      page_size=page, seed=len(lengths) * 1000 + q_len)
-            assert v.ok, f"{kernel.name} {lengths} q{q_len} {heads}/{kv}: {v.reason}"
+    check_cases(ks, head_dim, torch.bfloat16, paged, CASES[:3])
 
 
 def test_slices_merge_is_deterministic() -> None:
@@ -202,16 +190,7 @@ def test_one_wave_and_the_cooperative_combine(head_dim: int, dtype: str, paged: 
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     ks = kernels(head_dim, dtype, paged, "slices", combine, one_wave=True)
     assert ks
-    for kernel in ks:
-        for lengths, q_len, heads, kv, page in CASES:
-            capacity = max(lengths)
-            if paged:
-                capacity = -(-capacity // page) * page
-            v = validate.check_decode(kernel, lengths=list(lengths), capacity=capacity,
-                                      q_len=q_len, heads=heads, kv_heads=kv,
-                                      head_dim=head_dim, dtype=torch_dtype, paged=paged,
-                                      page_size=page, seed=len(lengths) * 1000 + q_len)
-            assert v.ok, f"{kernel.name} {lengths} q{q_len} {heads}/{kv}: {v.reason}"
+    check_cases(ks, head_dim, torch_dtype, paged)
 
 
 @pytest.mark.parametrize("items", [1, 2, 4])
