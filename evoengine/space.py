@@ -329,11 +329,50 @@ class SearchSpace:
                       workload: Mapping[str, object] | None = None,
                       ) -> Iterator[dict[str, object]]:
         """The points admitted for ``problem``, in declared order, lazily; given a workload's
-        facts (``workload_names``), only those its ``[[workload_rules]]`` admit too."""
-        for p in self.grid():
-            if not self.violations(p, problem, arch) and not (
-                    workload is not None
-                    and self.workload_violations(p, problem, arch, workload)):
+        facts (``workload_names``), only those its ``[[workload_rules]]`` admit too.
+
+        The grid is walked one parameter at a time in declared order, and each constraint is
+        checked as soon as every parameter it reads (through derived values) has its value: a
+        prefix that breaks one is never extended. The same points as checking ``violations``
+        on every grid point, in the same order, without visiting most of the grid."""
+        if not self.supports(arch) or any(
+                k in self.problem and type(v) is not type(self.problem[k][0])
+                for k, v in problem.items()):
+            return
+        names = list(self.parameters)
+        depth = {name: i for i, name in enumerate(names)}
+        reads: dict[str, int] = {}  # a derived value's deepest parameter read (-1: none)
+
+        def deepest(expr: Expr) -> int:
+            return max((depth[n] if n in depth else reads.get(n, -1) for n in expr.names),
+                       default=-1)
+        derived_at: list[list[str]] = [[] for _ in range(len(names) + 1)]
+        for name, expr in self.derived.items():  # declared order: each reads earlier ones
+            reads[name] = deepest(expr)
+            derived_at[reads[name] + 1].append(name)
+        checks_at: list[list[Constraint]] = [[] for _ in range(len(names) + 1)]
+        for c in self.constraints:
+            checks_at[deepest(c.rule) + 1].append(c)
+
+        def step(level: int, env: dict[str, object]) -> bool:
+            for name in derived_at[level]:
+                env[name] = self.derived[name](env)
+            return all(c.rule(env) for c in checks_at[level])
+
+        def walk(level: int, env: dict[str, object]) -> Iterator[dict[str, object]]:
+            if level == len(names):
+                yield {n: env[n] for n in names}
+                return
+            for value in self.parameters[names[level]]:
+                nxt = {**env, names[level]: value}
+                if step(level + 1, nxt):
+                    yield from walk(level + 1, nxt)
+
+        root: dict[str, object] = {**arch.as_names(), **problem}
+        if not step(0, root):
+            return
+        for p in walk(0, root):
+            if workload is None or not self.workload_violations(p, problem, arch, workload):
                 yield p
 
     def first_admitted(self, problem: Mapping[str, object], arch: Arch,

@@ -660,3 +660,24 @@ def test_mma_bwd_space_declares_the_issue_parameters() -> None:
     for arch in ("sm_80", "sm_89", "sm_90a"):
         for problem in sp.problems():
             assert sp.admitted(problem, get_arch(arch)), (arch, problem)
+
+
+@pytest.mark.parametrize("name, problem_, arch, workload", [
+    ("wgmma.toml", {"HEAD_DIM": 64, "DTYPE": "bf16", "CAUSAL": True}, "sm_90a", {"KV_GROUP": 4}),
+    ("wgmma.toml", {"HEAD_DIM": 48, "DTYPE": "fp16", "CAUSAL": False}, "sm_90a", None),
+    ("wgmma_bwd.toml", {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}, "sm_90a", None),
+    ("mma.toml", {"HEAD_DIM": 128, "DTYPE": "fp16", "CAUSAL": False}, "sm_89", None),
+    ("mma.toml", {"HEAD_DIM": 128, "DTYPE": "fp16", "CAUSAL": False}, "sm_90a", None),
+])
+def test_admitted_prunes_to_the_points_every_constraint_admits(
+        name: str, problem_: dict, arch: str, workload: dict | None) -> None:
+    """iter_admitted checks each constraint once its parameters have values and never extends
+    a prefix that breaks one: the same points, in the same order, as ``violations`` (and the
+    workload rules) on every grid point; none for a target the family does not build."""
+    space = SearchSpace.load(paths.SPACES / name).with_untested()
+    target = get_arch(arch)
+    want = [p for p in space.grid() if not space.violations(p, problem_, target) and not (
+        workload is not None and space.workload_violations(p, problem_, target, workload))]
+    assert want
+    assert list(space.iter_admitted(problem_, target, workload)) == want
+    assert not space.admitted(problem_, get_arch("sm_80")) or space.supports(get_arch("sm_80"))
