@@ -35,7 +35,6 @@ class DecodeKernel(CudaDecode):
             threads=candidate.threads, smem_bytes=candidate.smem_bytes,
             split_policy=str(params["SPLIT_POLICY"]), splits=int(params["SPLITS"]),  # type: ignore[call-overload]
             combine=str(params["COMBINE"]), cluster=int(params.get("CLUSTER", 1)),  # type: ignore[call-overload]
-            scheduler=str(params.get("SCHEDULER", "static")),
             arch=compiled.arch, cubin=cubin)
         self.candidate = candidate
         self.compiled = compiled

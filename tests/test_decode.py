@@ -121,9 +121,8 @@ def test_points_from_before_l2_prefetch_and_merge_complete() -> None:
     assert space.complete(old)["COMBINE"] == "kernel"
     assert space.complete(old)["COMBINE_ITEMS"] == 1
     assert space.complete(old)["CLUSTER"] == 1
-    assert space.complete(old)["SCHEDULER"] == "static"
     assert space.legacy == {"L2_PREFETCH": 0, "MERGE": "atomic", "COMBINE": "kernel",
-                            "COMBINE_ITEMS": 1, "CLUSTER": 1, "SCHEDULER": "static"}
+                            "COMBINE_ITEMS": 1, "CLUSTER": 1}
 
 
 def test_space_is_of_kind_decode() -> None:
@@ -197,7 +196,7 @@ def test_rows_of_no_power_of_two_copies_are_copied_by_index(arch: str, head_dim:
     block_n = 128 if threads == 256 else 64  # 16 keys a warp at least
     params = dict(BLOCK_N=block_n, BLOCK_M=16, NUM_WARPS=threads // 32, STAGES=2, VEC_BYTES=16,
                   L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=2,
-                  COMBINE="fused", COMBINE_ITEMS=1, CLUSTER=1, SCHEDULER="static")
+                  COMBINE="fused", COMBINE_ITEMS=1, CLUSTER=1)
     assert not space.violations(params, problem_, target)
     cand = make_candidate(space, params, problem_, target)
     assert "constexpr bool COLUMNS = THREADS % ROW_VECS == 0;" in render(cand)
@@ -241,7 +240,7 @@ def test_merge_slices_fit_where_the_ring_does() -> None:
     small = get_arch("sm_89")  # 99 KB: 8 slices of 32 x (256 + 8) floats do not fit
     big = dict(BLOCK_N=128, BLOCK_M=32, NUM_WARPS=8, STAGES=2, VEC_BYTES=16, L2_PREFETCH=0,
                MERGE="slices", SPLIT_POLICY="waves", SPLITS=1, COMBINE="kernel",
-               COMBINE_ITEMS=1, CLUSTER=1, SCHEDULER="static")
+               COMBINE_ITEMS=1, CLUSTER=1)
     bad = space.violations(big, {"HEAD_DIM": 256, "DTYPE": "fp16", "PAGED": True}, small)
     assert any("the warps' merge fits" in why for why in bad)
 
@@ -334,7 +333,7 @@ def test_plan_covers_ragged_and_own_length() -> None:
 
 DECODE_POINT = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
                     L2_PREFETCH=256, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
-                    COMBINE="kernel", COMBINE_ITEMS=1, CLUSTER=1, SCHEDULER="static")
+                    COMBINE="kernel", COMBINE_ITEMS=1, CLUSTER=1)
 
 
 def decode_store(db: object, arch: str, workloads: list[DecodeWorkload]) -> None:
@@ -404,12 +403,11 @@ def test_launcher_and_template_agree_on_the_combine_block() -> None:
 class _FakeDriver:
     """Stands in for cuLaunchKernel: records each launch's entry and, for the main kernel,
     the counters argument and what the counters held at launch; the main kernel's grid x (its
-    splits) and last argument (``dynamic``), and the combine kernel's parts argument."""
+    splits) and the combine kernel's parts argument."""
 
     def __init__(self) -> None:
         self.launches: list[tuple[str, int, list[int] | None]] = []
         self.splits: list[int] = []
-        self.dynamic: list[int] = []
         self.parts: list[int] = []
 
     def __call__(self, loaded: object, args: tuple) -> None:
@@ -421,8 +419,6 @@ class _FakeDriver:
             held = list((ctypes.c_int32 * 4).from_address(address)) if address else None
             self.launches.append(("main", address, held))
             self.splits.append(args[1])
-            (dynamic,) = struct.unpack("=i", ctypes.string_at(argv[30], 4))
-            self.dynamic.append(dynamic)
         else:  # the combine: its 8th argument is the number of parts
             self.launches.append(("combine", 0, None))
             (n,) = struct.unpack("=i", ctypes.string_at(argv[7], 4))
@@ -430,14 +426,13 @@ class _FakeDriver:
 
 
 def _fake_decode(combine: str, monkeypatch: pytest.MonkeyPatch, stream: list[int],
-                 cluster: int = 1, scheduler: str = "static") -> tuple[CudaDecode, _FakeDriver]:
+                 cluster: int = 1) -> tuple[CudaDecode, _FakeDriver]:
     import evoengine.launch.decode as launch_decode
     from evoengine.launch.core import Loaded
 
     k = CudaDecode("d", head_dim=128, dtype="fp16", paged=False, block_m=16, block_n=64,
                    threads=128, smem_bytes=1024, split_policy="fixed", splits=4,
-                   combine=combine, cluster=cluster, scheduler=scheduler, arch="sm_90a",
-                   cubin=b"x")
+                   combine=combine, cluster=cluster, arch="sm_90a", cubin=b"x")
     fake = _FakeDriver()
     monkeypatch.setattr(launch_decode, "launch_in_context", fake)
     monkeypatch.setattr(launch_decode, "raw_stream", lambda index: stream[0])
@@ -591,83 +586,4 @@ def test_the_cooperative_combine_builds_for_one_wave_of_every_target() -> None:
     for bad in (dict(params, SPLIT_POLICY="fixed"), dict(params, SPLITS=2),
                 dict(params, CLUSTER=2), dict(params, MERGE="atomic")):
         assert space.violations(bad, problem_, target), bad
-
-
-@pytest.mark.parametrize("combine", ["fused", "cooperative"])
-def test_a_dynamic_scheduler_takes_a_tile_counter_a_group_unless_deterministic(
-        combine: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SCHEDULER "dynamic", driver faked: with several splits the kernel gets ``dynamic`` 1 and
-    one more zeroed counter a group past the combine's; under
-    ``torch.use_deterministic_algorithms`` 0 and the combine's counters only (the kernel then
-    deals its tiles as the static one does); a static kernel always 0. A dynamic scheduler
-    without the fused or cooperative combine, or in a cluster, is refused."""
-    import evoengine.launch.decode as launch_decode
-
-    asked: list[int] = []
-    counters = launch_decode.split_counters
-    monkeypatch.setattr(launch_decode, "split_counters",
-                        lambda device, stream, n: asked.append(n) or counters(device, stream, n))
-    fakes: list[_FakeDriver] = []  # the latest's: cooperative launches go there too
-    monkeypatch.setattr(launch_decode, "launch_cooperative_in_context",
-                        lambda loaded, args: fakes[-1](loaded, (*args, 0)))
-    k, fake = _fake_decode(combine, monkeypatch, [7003], scheduler="dynamic")
-    fakes.append(fake)
-    per_group = 1 if combine == "fused" else 2  # the combine's own counters a group
-    groups = 2 * 2  # batch 2 x kv heads 2, one row chunk
-    _launch(k)
-    assert fake.dynamic == [1] and asked == [(per_group + 1) * groups]
-    assert fake.launches[0][2] == [0, 0, 0, 0]
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.use_deterministic_algorithms(True)
-        _launch(k)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-    assert fake.dynamic == [1, 0] and asked[1:] == [per_group * groups]
-    static, fake_static = _fake_decode(combine, monkeypatch, [7003])
-    fakes.append(fake_static)
-    _launch(static)
-    assert fake_static.dynamic == [0]
-    for bad in (dict(combine="kernel"), dict(combine=combine, cluster=2)):
-        with pytest.raises(ValueError, match="dynamic scheduler needs"):
-            CudaDecode("d", head_dim=128, dtype="fp16", paged=False, block_m=16, block_n=64,
-                       threads=128, smem_bytes=1024, split_policy="fixed", splits=4,
-                       scheduler="dynamic", **bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="scheduler must be one of"):
-        CudaDecode("d", head_dim=128, dtype="fp16", paged=False, block_m=16, block_n=64,
-                   threads=128, smem_bytes=1024, split_policy="fixed", splits=4,
-                   combine="fused", scheduler="stealing")
-
-
-def test_the_dynamic_scheduler_builds_on_every_target() -> None:
-    """SCHEDULER "dynamic" (its GPU tests: tests/gpu/test_decode.py) compiles without spills
-    or local memory on every target, paged and contiguous, for both combines it takes; the
-    space keeps it to them and out of clusters, and "static" renders none of it."""
-    from tests.test_backward import CUOBJDUMP, sass_opcodes
-
-    space = SearchSpace.load(SPACE).with_untested()
-    base = space.complete(dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=4, VEC_BYTES=16,
-                               L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
-                               COMBINE="fused", COMBINE_ITEMS=1, SCHEDULER="dynamic"))
-    for arch, paged, params in (
-            ("sm_80", True, base), ("sm_89", False, dict(base, COMBINE_ITEMS=4, STAGES=2)),
-            ("sm_90a", True, dict(base, COMBINE="cooperative", STAGES=2)),
-            ("sm_90a", False, dict(base, BLOCK_M=32, BLOCK_N=128, NUM_WARPS=8, STAGES=3))):
-        problem_ = {"HEAD_DIM": 128, "DTYPE": "bf16", "PAGED": paged}
-        cand = make_candidate(space, params, problem_, get_arch(arch))
-        assert "SCHED_DYNAMIC = true;" in render(cand)
-        result = compile_candidate(cand, get_arch(arch))
-        assert result.ok, result.error
-        assert result.spill_bytes == 0, (arch, cand.identity)
-        if CUOBJDUMP is not None:
-            ops = sass_opcodes(result.cubin or b"", "attn_decode")
-            assert "LDL" not in ops and "STL" not in ops, cand.identity
-    problem_ = {"HEAD_DIM": 128, "DTYPE": "bf16", "PAGED": True}
-    target = get_arch("sm_90a")
-    assert not space.violations(base, problem_, target)
-    for bad in (dict(base, COMBINE="kernel"), dict(base, CLUSTER=2)):
-        assert any("tile counter" in why for why in space.violations(bad, problem_, target)), bad
-    static = make_candidate(space, dict(base, SCHEDULER="static"), problem_, target)
-    assert "sched[" not in render(static)
-    assert static.smem_bytes + 96 == make_candidate(space, base, problem_, target).smem_bytes
 

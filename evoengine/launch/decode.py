@@ -12,8 +12,8 @@ Kernel ABI (two entries of one cubin, launched in order on torch's current strea
 
 - ``attn_decode(Q, K, V, O, LSE, O_part, LSE_part, counters, seqlens, block_table, q_len,
   q_heads, kv_group, row_chunks, causal, page_log2, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss,
-  v_sh, o_sb, o_ss, o_sh, bt_stride, scale_log2, dynamic)`` on (splits, kv_heads * row_chunks,
-  batch) blocks: each takes ``block_m`` of one key/value head's q_len x group packed query rows and
+  v_sh, o_sb, o_ss, o_sh, bt_stride, scale_log2)`` on (splits, kv_heads * row_chunks, batch)
+  blocks: each takes ``block_m`` of one key/value head's q_len x group packed query rows and
   one split of its cache. k_sb/v_sb are the page strides of a paged cache. With one split it
   writes O (and LSE, natural log, float32 [B, H, q_len], when not null); with several, O_part
   [parts, B, q_len, H, D] (normalised, fp32) and LSE_part [parts, B, q_len, H] (log2), a
@@ -24,11 +24,8 @@ Kernel ABI (two entries of one cubin, launched in order on torch's current strea
   block of a group to finish resets it), one set per (device, stream) (``split_counters``);
   a ``cooperative`` kernel, launched cooperatively (every block resident), merges them with
   every block of the group once all have written theirs: two counters a group (arrive, then
-  depart past every group's), zero before and after likewise; null for a ``kernel`` combine.
-  A ``dynamic`` scheduler's kernel (SCHEDULER) given ``dynamic`` 1 takes a group's tiles past
-  each block's first from one more counter a group, past the combine's (zero before and
-  after likewise); 0 (where ``torch.are_deterministic_algorithms_enabled()``, and for every
-  static kernel) deals every tile statically. A ``kernel`` combine launches
+  depart past every group's), zero before and after likewise; null for a ``kernel`` combine,
+  which launches
 - ``attn_decode_combine(O_part, LSE_part, O, LSE, batch, q_len, q_heads, parts, o_sb, o_ss,
   o_sh)`` on ceil(B * q_len * H * D / 4 / 256) blocks of 256 threads: merges the parts.
 
@@ -72,14 +69,13 @@ from evoengine.launch.core import (
 from evoengine.launch.forward import CudaKernel
 
 DECODE_ENTRIES = ("attn_decode", "attn_decode_combine")
-DECODE_MAIN_ARGS = ParamBuffer("Q" * 10 + "i" * 6 + "q" * 13 + "f" + "i")
+DECODE_MAIN_ARGS = ParamBuffer("Q" * 10 + "i" * 6 + "q" * 13 + "f")
 DECODE_COMBINE_ARGS = ParamBuffer("QQQQ" + "iiii" + "qqq")
 DECODE_COMBINE_THREADS = 256  # the template's cfg::DECODE_COMBINE_THREADS
 MAX_DECODE_Q_LEN = 16
 MAX_DECODE_SPLITS = 256  # parts are fp32 [splits, B, q_len, H, D]: bounded memory
 SPLIT_POLICIES = ("waves", "fixed")
 COMBINES = ("kernel", "fused", "cooperative")
-SCHEDULERS = ("static", "dynamic")
 
 
 class DecodeShape(NamedTuple):
@@ -280,8 +276,7 @@ class CudaDecode:
 
     def __init__(self, name: str, *, head_dim: int, dtype: str, paged: bool, block_m: int,
                  block_n: int, threads: int, smem_bytes: int, split_policy: str, splits: int,
-                 combine: str = "kernel", cluster: int = 1, scheduler: str = "static",
-                 arch: str | None = None,
+                 combine: str = "kernel", cluster: int = 1, arch: str | None = None,
                  cubin: bytes | None = None, source: str | None = None,
                  defines: Mapping[str, int] | None = None) -> None:
         if split_policy not in SPLIT_POLICIES:
@@ -289,12 +284,6 @@ class CudaDecode:
                              f"got {split_policy!r}")
         if combine not in COMBINES:
             raise ValueError(f"kernel {name}: combine must be one of {COMBINES}, got {combine!r}")
-        if scheduler not in SCHEDULERS:
-            raise ValueError(f"kernel {name}: scheduler must be one of {SCHEDULERS}, "
-                             f"got {scheduler!r}")
-        if scheduler == "dynamic" and (combine == "kernel" or cluster != 1):
-            raise ValueError(f"kernel {name}: a dynamic scheduler needs the fused or "
-                             f"cooperative combine and no cluster")
         common: dict[str, Any] = dict(head_dim=head_dim, dtype=dtype, causal=True,
                                       block_m=block_m, arch=arch, cubin=cubin, source=source,
                                       defines=defines)
@@ -313,8 +302,6 @@ class CudaDecode:
         # Splits per thread block cluster, compiled in: a call's splits are a multiple of it,
         # and each cluster writes one part.
         self.cluster = int(cluster)
-        # Tiles past each block's first from a counter a group (deterministic launches: none).
-        self.dynamic = scheduler == "dynamic"
         self._slots: dict[int, int] = {}  # per device: SMs x blocks resident per SM
 
     @classmethod
@@ -327,8 +314,7 @@ class CudaDecode:
                    threads=spec["threads"], smem_bytes=spec["smem_bytes"],
                    split_policy=params["SPLIT_POLICY"], splits=params["SPLITS"],
                    combine=params.get("COMBINE", "kernel"),
-                   cluster=params.get("CLUSTER", 1),
-                   scheduler=params.get("SCHEDULER", "static"), arch=arch,
+                   cluster=params.get("CLUSTER", 1), arch=arch,
                    cubin=cubin, source=source, defines=spec.get("defines"))
 
     def __repr__(self) -> str:
@@ -390,7 +376,6 @@ class CudaDecode:
         chunks, splits = self.plan(shape, index)
         b, q_len, h, d = q.shape
         part = lse_part = counters = None
-        dynamic = False  # tiles from a counter: with several parts, where not deterministic
         parts = splits // self.cluster  # what goes through global memory: a cluster's, each
         if parts > 1:
             # From torch's stream-ordered allocator: dropped after the launches are enqueued,
@@ -398,11 +383,10 @@ class CudaDecode:
             part = torch.empty((parts, b, q_len, h, d), dtype=torch.float32, device=q.device)
             lse_part = torch.empty((parts, b, q_len, h), dtype=torch.float32, device=q.device)
             groups = b * shape.kv_heads * chunks
-            dynamic = self.dynamic and not torch.are_deterministic_algorithms_enabled()
             if self.fused:
-                counters = split_counters(q.device, stream, (1 + dynamic) * groups)
+                counters = split_counters(q.device, stream, groups)
             elif self.cooperative:  # an arrive and a depart counter a group
-                counters = split_counters(q.device, stream, (2 + dynamic) * groups)
+                counters = split_counters(q.device, stream, 2 * groups)
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         page_log2 = shape.page_size.bit_length() - 1 if shape.paged else 0
         args = DECODE_MAIN_ARGS.pack(
@@ -411,7 +395,7 @@ class CudaDecode:
             h // shape.kv_heads, chunks, int(causal), page_log2, q.stride(0), q.stride(1),
             q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            0 if block_table is None else block_table.stride(0), scale * LOG2E, int(dynamic))
+            0 if block_table is None else block_table.stride(0), scale * LOG2E)
         grid = (main.fn, splits, shape.kv_heads * chunks, b, self.main.threads, 1, 1,
                 self.main.smem_bytes, stream, ctypes.addressof(args[1]))
         if self.cooperative and parts > 1:

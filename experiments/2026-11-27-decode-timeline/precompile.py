@@ -13,29 +13,23 @@ from evoengine.render import make_candidate  # noqa: E402
 from evoengine.runtime import gpu_arch  # noqa: E402
 from tests.gpu.test_decode import POINTS, space  # noqa: E402
 
-# (MERGE, COMBINE, COMBINE_ITEMS, CLUSTER, one wave, SCHEDULER) of the file's kernels() calls
-VARIANTS = [("slices", "kernel", 1, 1, False, "static"),
-            ("atomic", "kernel", 1, 1, False, "static"),
-            ("slices", "fused", 1, 1, False, "static"),
-            ("slices", "fused", 2, 1, False, "static"),
-            ("slices", "fused", 4, 1, False, "static")]
-VARIANTS += [("slices", c, i, cl, False, "static") for cl in (2, 8)
+# (MERGE, COMBINE, COMBINE_ITEMS, CLUSTER, one wave) of the file's kernels() calls
+VARIANTS = [("slices", "kernel", 1, 1, False), ("atomic", "kernel", 1, 1, False),
+            ("slices", "fused", 1, 1, False), ("slices", "fused", 2, 1, False),
+            ("slices", "fused", 4, 1, False)]
+VARIANTS += [("slices", c, i, cl, False) for cl in (2, 8)
              for c, i in (("kernel", 1), ("fused", 4))]
-VARIANTS += [("slices", c, 1, 1, True, "static") for c in ("kernel", "cooperative")]
-VARIANTS += [("slices", "fused", 4, 1, False, "dynamic"),
-             ("slices", "cooperative", 1, 1, True, "dynamic")]
+VARIANTS += [("slices", c, 1, 1, True) for c in ("kernel", "cooperative")]
 
 arch = gpu_arch()
 cands = []
-for head_dim, dtype, paged, variant in itertools.product(
+for head_dim, dtype, paged, (merge, combine, items, cluster, wave) in itertools.product(
         (128, 64), ("fp16", "bf16"), (True, False), VARIANTS):
-    merge, combine, items, cluster, wave, scheduler = variant
     if cluster > 1 and arch.sm < 90:
         continue
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
     for p in POINTS:
-        p = dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster,
-                 SCHEDULER=scheduler)
+        p = dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster)
         if wave:
             p = dict(p, SPLIT_POLICY="waves", SPLITS=1)
         if not space().violations(p, problem, arch):

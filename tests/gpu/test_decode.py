@@ -8,9 +8,7 @@ the warps (MERGE: slices, and the legacy atomics) and, after the slices merge, b
 the splits (COMBINE: the combine kernel, and fused into the last block of each group, merging
 one or several quads a thread at once: COMBINE_ITEMS); on sm_90, the splits in thread block
 clusters that merge through distributed shared memory (CLUSTER), with one cluster of every
-split and several, and clusters whose splits outnumber the cache's tiles; the splits taking
-their tiles from a counter (SCHEDULER dynamic), and dealing them statically in a deterministic
-launch, bit for bit as the static twin.
+split and several, and clusters whose splits outnumber the cache's tiles.
 """
 
 from __future__ import annotations
@@ -77,11 +75,11 @@ def space() -> SearchSpace:
 @functools.cache
 def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
             combine: str = "kernel", items: int = 1, cluster: int = 1,
-            one_wave: bool = False, scheduler: str = "static") -> list[DecodeKernel]:
+            one_wave: bool = False) -> list[DecodeKernel]:
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
-    points = [dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster,
-                   SCHEDULER=scheduler) for p in POINTS]
+    points = [dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster)
+              for p in POINTS]
     if one_wave:  # the cooperative combine's policy (and its twins')
         points = [dict(p, SPLIT_POLICY="waves", SPLITS=1) for p in points]
     cands: list[Candidate] = [make_candidate(space(), p, problem, arch) for p in points
@@ -129,8 +127,8 @@ def other_kernels(head_dim: int, paged: bool, combine: str) -> list[DecodeKernel
     without spills."""
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE="bf16", PAGED=paged)
-    points = [dict(p, MERGE="slices", COMBINE=combine, COMBINE_ITEMS=1, CLUSTER=1,
-                   SCHEDULER="static") for p in POINTS]
+    points = [dict(p, MERGE="slices", COMBINE=combine, COMBINE_ITEMS=1, CLUSTER=1)
+              for p in POINTS]
     points = [p for p in points if not space().violations(p, problem, arch)]
     drawn = [p for p in space().admitted(problem, arch)
              if p["MERGE"] == "slices" and p["COMBINE"] == combine]
@@ -195,65 +193,6 @@ def test_one_wave_and_the_cooperative_combine(head_dim: int, dtype: str, paged: 
     check_cases(ks, head_dim, torch_dtype, paged)
 
 
-def _dynamic_and_static(combine: str, head_dim: int = 128, dtype: str = "fp16",
-                        paged: bool = True) -> list[tuple[DecodeKernel, DecodeKernel]]:
-    """(dynamic, static) scheduler twins of the points with several splits, with the fused
-    combine (4 quads a thread) or the cooperative one (at the waves policy's one wave)."""
-    items, one_wave = (4, False) if combine == "fused" else (1, True)
-    pairs = zip(kernels(head_dim, dtype, paged, "slices", combine, items, 1, one_wave, "dynamic"),
-                kernels(head_dim, dtype, paged, "slices", combine, items, 1, one_wave),
-                strict=True)
-    return [(d, s) for d, s in pairs if d.split_policy == "waves" or d.splits > 1]
-
-
-@pytest.mark.parametrize("combine", ["fused", "cooperative"])
-@pytest.mark.parametrize("paged", [True, False])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", [128, 64])
-def test_the_dynamic_scheduler(head_dim: int, dtype: str, paged: bool, combine: str) -> None:
-    """SCHEDULER dynamic on every point with several splits and every case, one launch after
-    another on one stream: a launch that found its tile counters other than zero would skip
-    tiles (and keys) or take none."""
-    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    pairs = _dynamic_and_static(combine, head_dim, dtype, paged)
-    assert pairs and all(d.dynamic and not s.dynamic for d, s in pairs)
-    check_cases([d for d, _ in pairs], head_dim, torch_dtype, paged)
-
-
-@pytest.mark.parametrize("combine", ["fused", "cooperative"])
-def test_a_deterministic_dynamic_launch_is_its_static_twin_bit_for_bit(combine: str) -> None:
-    """Under ``torch.use_deterministic_algorithms`` a dynamic kernel deals every tile as its
-    static twin does: the same bits out and lse, on a paged and a contiguous cache; without
-    it, the same answer up to the order of the sums (and never a NaN)."""
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    for paged in (True, False):
-        pairs = _dynamic_and_static(combine, paged=paged)
-        assert pairs
-        for batch, lengths, q_len, heads in ((3, [4099, 1, 700], 4, 32), (1, [30000], 4, 64),
-                                             (2, [9, 8191], 1, 8)):
-            cap = -(-max(lengths) // 64) * 64
-            k, v, lens, table = validate.decode_cache(batch, lengths, cap, 8, 128,
-                                                      torch.float16, paged=paged,
-                                                      page_size=64, gen=gen, device="cuda")
-            q = torch.randn(batch, q_len, heads, 128, device="cuda", dtype=torch.float16,
-                            generator=gen)
-            for dynamic, static in pairs:
-                lse_d = torch.full((batch, heads, q_len), float("nan"), device="cuda")
-                lse_s = torch.full_like(lse_d, float("nan"))
-                out_s = static(q, k, v, lens, table, lse=lse_s)
-                free = dynamic(q, k, v, lens, table)
-                was = torch.are_deterministic_algorithms_enabled()
-                try:
-                    torch.use_deterministic_algorithms(True)
-                    out_d = dynamic(q, k, v, lens, table, lse=lse_d)
-                finally:
-                    torch.use_deterministic_algorithms(was)
-                assert torch.equal(out_d, out_s), (dynamic.name, lengths)
-                assert torch.equal(lse_d, lse_s), (dynamic.name, lengths)
-                assert not free.isnan().any(), (dynamic.name, lengths)
-                torch.testing.assert_close(free, out_s, atol=2e-3, rtol=2e-2)
-
-
 @pytest.mark.parametrize("items", [1, 2, 4])
 def test_the_fused_combine_is_the_combine_kernel_bit_for_bit(items: int) -> None:
     """The fused combine runs the combine kernel's arithmetic in the same order: the same
@@ -282,27 +221,13 @@ def test_the_fused_combine_is_the_combine_kernel_bit_for_bit(items: int) -> None
             assert torch.equal(lse_f, lse_k), (fused.name, lengths)
 
 
-@pytest.mark.parametrize("combine, scheduler", [
-    ("fused", "static"), ("cooperative", "static"), ("fused", "dynamic"),
-    ("cooperative", "dynamic")])
-def test_the_fused_combine_replays_in_a_cuda_graph_and_on_two_streams(
-        combine: str, scheduler: str) -> None:
+@pytest.mark.parametrize("combine", ["fused", "cooperative"])
+def test_the_fused_combine_replays_in_a_cuda_graph_and_on_two_streams(combine: str) -> None:
     """Graph replay, as servers run decode: 5 replays of a captured fused (or cooperative)
     call give the eager answer each time (the counters reset themselves); two streams running
-    such calls at once each use their own counters and give the eager answers. A dynamic
-    scheduler's answers match up to the order of the sums (its tiles go to whichever block
-    asks first)."""
+    such calls at once each use their own counters and give the eager answers."""
     gen = torch.Generator(device="cuda").manual_seed(4)
-    if scheduler == "dynamic":
-        fused, _ = _dynamic_and_static(combine)[0]
-    else:
-        fused, _ = (_fused_and_kernel() if combine == "fused" else _cooperative_and_kernel())[0]
-
-    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        if scheduler == "static":
-            return torch.equal(a, b)
-        return not a.isnan().any() and torch.allclose(a, b, atol=2e-3, rtol=2e-2)
-
+    fused, _ = (_fused_and_kernel() if combine == "fused" else _cooperative_and_kernel())[0]
     k, v, lens, table = validate.decode_cache(4, [4096, 100, 3000, 1], 4096, 8, 128,
                                               torch.float16, paged=True, page_size=64,
                                               gen=gen, device="cuda")
@@ -321,7 +246,7 @@ def test_the_fused_combine_replays_in_a_cuda_graph_and_on_two_streams(
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert same(out, want)
+        assert torch.equal(out, want)
     streams = [torch.cuda.Stream() for _ in range(2)]
     outs = [torch.empty_like(q) for _ in streams]
     for _ in range(3):
@@ -333,7 +258,7 @@ def test_the_fused_combine_replays_in_a_cuda_graph_and_on_two_streams(
                 with torch.cuda.stream(s):
                     fused(q, k, v, lens, table, out=o, check=False)
         torch.cuda.synchronize()
-        assert all(same(o, want) for o in outs)
+        assert all(torch.equal(o, want) for o in outs)
 
 
 def test_decode_workload_plan_and_timing() -> None:
