@@ -54,6 +54,8 @@ SOURCES = [
     ("sm_90a", "points_us", "2026-11-27-h100-decode-cluster-bf16.json"),
     ("sm_90a", "points_us", "2026-11-27-h100-decode-cooperative-bf16.json"),
     ("sm_90a", "points_us", "2026-11-27-h100-decode-q4-b64-bf16.json"),
+    ("sm_90a", "points_us", "2026-11-27-h100-decode-cluster-waves-q4-bf16.json"),
+    ("sm_90a", "points_us", "2026-11-27-h100-decode-cluster-waves-q1-bf16.json"),
     ("sm_90a", "cell_ids", "2026-11-25-h100-cell-kernels.json"),
 ]
 

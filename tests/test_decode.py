@@ -485,6 +485,25 @@ def test_the_fused_combine_launches_once_with_the_streams_zeroed_counters(
                    combine="atomic")
 
 
+def test_a_wave_of_clusters_is_the_clusters_that_fit() -> None:
+    """The waves policy in clusters counts the clusters the driver says fit (they stay inside a
+    GPC), so that every cluster of a wave is resident at once: on the H100's 132 SMs 30 of 4 and
+    15 of 8, whose splits for 8 groups (batch 1, 8 KV heads) make 24 and 8 clusters. Without a
+    driver's answer (no GPU here: None, not an exception) the blocks' count stands."""
+    from evoengine.launch.decode import resident_clusters, wave_slots
+
+    assert wave_slots(132, 30, 4) == 120 and wave_slots(132, 15, 8) == 120
+    assert wave_slots(132, None, 4) == 132 and wave_slots(132, 40, 1) == 132
+    assert wave_slots(64, 30, 4) == 64  # never more than the blocks that fit
+    for cluster, clusters in ((4, 30), (8, 15)):
+        splits = cluster_splits(decode_splits("waves", 1, units=8, tiles=256,
+                                              slots=wave_slots(132, clusters, cluster)), cluster)
+        assert 8 * splits // cluster <= clusters
+    assert cluster_splits(decode_splits("waves", 1, units=8, tiles=256,
+                                        slots=wave_slots(132, 30, 4)), 4) == 12
+    assert resident_clusters(0, 256, 1024, 4) is None
+
+
 def test_cluster_splits_are_whole_clusters() -> None:
     assert cluster_splits(16, 8) == 16
     assert cluster_splits(17, 8) == 16  # rounded down: a partial cluster cannot launch

@@ -243,6 +243,37 @@ def resident_blocks(fn: int, threads: int, smem_bytes: int, index: int) -> int:
         return max(1, per_sm // max(1, smem_bytes + 1024))  # 1 KB the runtime keeps per block
 
 
+def resident_clusters(fn: int, threads: int, smem_bytes: int, cluster: int) -> int | None:
+    """Thread block clusters of ``cluster`` blocks of a kernel that the current device holds at
+    once (the driver's cuOccupancyMaxActiveClusters), or None where the driver binding cannot
+    say. A cluster stays inside one GPC, so fewer fit than SMs x blocks per SM / cluster: 15 of
+    8 on the H100's 132 SMs."""
+    try:
+        from cuda.bindings import driver as cu
+
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+        config.sharedMemBytes = smem_bytes
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+        config.attrs, config.numAttrs = [attr], 1
+        err, n = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(fn), config)
+    except Exception:  # noqa: BLE001 - no binding, or one that differs: the caller falls back
+        return None
+    return int(n) if err == cu.CUresult.CUDA_SUCCESS and n > 0 else None
+
+
+def wave_slots(block_slots: int, clusters: int | None, cluster: int) -> int:
+    """Blocks that one wave of the GPU holds: SMs x blocks per SM, or for a kernel in clusters
+    of ``cluster`` blocks, the clusters that fit (``resident_clusters``) times their size where
+    known and fewer."""
+    if cluster > 1 and clusters:
+        return min(block_slots, clusters * cluster)
+    return block_slots
+
+
 MIN_COUNTERS = 1024  # the smallest set of fused-combine counters allocated (4 KB)
 _COUNTERS: dict[tuple[int, int], Tensor] = {}  # (device index, stream) -> its counters
 _OUTGROWN: list[Tensor] = []  # replaced sets: a captured CUDA graph may still use them
@@ -302,7 +333,7 @@ class CudaDecode:
         # Splits per thread block cluster, compiled in: a call's splits are a multiple of it,
         # and each cluster writes one part.
         self.cluster = int(cluster)
-        self._slots: dict[int, int] = {}  # per device: SMs x blocks resident per SM
+        self._slots: dict[int, int] = {}  # per device: blocks of one wave (wave_slots)
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], arch: str | None, *, cubin: bytes | None,
@@ -326,8 +357,14 @@ class CudaDecode:
         loaded = self.main.load(index)
         self.combine.load(index)
         if index not in self._slots:
-            self._slots[index] = sm_count(index) * resident_blocks(
+            blocks = sm_count(index) * resident_blocks(
                 loaded.fn, self.main.threads, self.main.smem_bytes, index)
+            clusters = None
+            if self.cluster > 1:
+                with torch.cuda.device(index):  # the device's primary context, current
+                    clusters = resident_clusters(loaded.fn, self.main.threads,
+                                                 self.main.smem_bytes, self.cluster)
+            self._slots[index] = wave_slots(blocks, clusters, self.cluster)
 
     def plan(self, shape: DecodeShape, index: int) -> tuple[int, int]:
         """(row chunks, splits) of a call: the grid's second and first dimensions' factors."""

@@ -120,6 +120,32 @@ def test_clusters(head_dim: int, dtype: str, paged: bool, cluster: int, combine:
     check_cases(ks, head_dim, torch_dtype, paged)
 
 
+@pytest.mark.parametrize("cluster", [4, 8])
+def test_clusters_are_sized_to_one_wave(cluster: int) -> None:
+    """The waves policy in clusters: the driver says how many clusters fit at once, fewer than
+    the SMs would suggest (a cluster stays inside a GPC), and a batch-1 call's splits make no more
+    clusters than that, so none waits for a second wave, unless every group is down to one
+    cluster (16 groups of 16-row blocks at q_len 4, 64/8: 16 clusters of 8, where 15 fit)."""
+    if gpu_arch().sm < 90:
+        pytest.skip("thread block clusters are sm_90's")
+    from evoengine.launch.core import sm_count
+    from evoengine.launch.decode import DecodeShape, resident_clusters
+
+    index = torch.cuda.current_device()
+    kernel = kernels(128, "bf16", True, "slices", "fused", 4, cluster, one_wave=True)[0]
+    kernel.load(index)
+    main = kernel.main.load(index)
+    clusters = resident_clusters(main.fn, kernel.main.threads, kernel.main.smem_bytes, cluster)
+    assert clusters and clusters * cluster <= sm_count(index)
+    for q_len, heads in ((4, 64), (1, 32)):
+        shape = DecodeShape(batch=1, q_len=q_len, q_heads=heads, kv_heads=8, head_dim=128,
+                            paged=True, page_size=64, capacity=32768, num_pages=512)
+        chunks, splits = kernel.plan(shape, index)
+        groups = 8 * chunks
+        assert splits % cluster == 0
+        assert groups * splits // cluster <= clusters or splits == cluster, (q_len, heads)
+
+
 @functools.cache
 def other_kernels(head_dim: int, paged: bool, combine: str) -> list[DecodeKernel]:
     """The hand-picked points the space admits at ``head_dim``, topped up to three with
