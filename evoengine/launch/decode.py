@@ -243,26 +243,30 @@ def resident_blocks(fn: int, threads: int, smem_bytes: int, index: int) -> int:
         return max(1, per_sm // max(1, smem_bytes + 1024))  # 1 KB the runtime keeps per block
 
 
-def resident_clusters(fn: int, threads: int, smem_bytes: int, cluster: int) -> int | None:
-    """Thread block clusters of ``cluster`` blocks of a kernel that the current device holds at
-    once (the driver's cuOccupancyMaxActiveClusters), or None where the driver binding cannot
-    say. A cluster stays inside one GPC, so fewer fit than SMs x blocks per SM / cluster: 15 of
-    8 on the H100's 132 SMs."""
-    try:
-        from cuda.bindings import driver as cu
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h) without attributes: a kernel built with __cluster_dims__ carries
+    its cluster shape, which the driver then takes from the kernel."""
 
-        config = cu.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
-        config.sharedMemBytes = smem_bytes
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
-        config.attrs, config.numAttrs = [attr], 1
-        err, n = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(fn), config)
-    except Exception:  # noqa: BLE001 - no binding, or one that differs: the caller falls back
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+def resident_clusters(fn: int, threads: int, smem_bytes: int, cluster: int) -> int | None:
+    """Thread block clusters of ``cluster`` blocks of a kernel (built with that cluster shape)
+    that the current device holds at once: the driver's cuOccupancyMaxActiveClusters, called
+    through ctypes as this package calls nothing but torch, cupy and the standard library; None
+    where the driver cannot say. A cluster stays inside one GPC, so fewer fit than SMs x blocks
+    per SM / cluster: 15 of 8 on the H100's 132 SMs."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        config = _LaunchConfig((cluster, 1, 1), (threads, 1, 1), smem_bytes, None, None, 0)
+        n = ctypes.c_int(0)
+        err = libcuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn),
+                                                   ctypes.byref(config))
+    except (OSError, AttributeError):  # no driver, or one without clusters
         return None
-    return int(n) if err == cu.CUresult.CUDA_SUCCESS and n > 0 else None
+    return n.value if err == 0 and n.value > 0 else None
 
 
 def wave_slots(block_slots: int, clusters: int | None, cluster: int) -> int:
