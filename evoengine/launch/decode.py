@@ -209,7 +209,7 @@ def check_decode_out(name: str, t: Tensor | None, shape: tuple[int, ...], dtype:
 
 def decode_splits(policy: str, splits: int, *, units: int, tiles: int, slots: int) -> int:
     """How many splits of the cache a call gets. ``fixed``: ``splits``. ``waves``: as many
-    as fit ``splits`` whole waves of the GPU's ``slots`` (SMs x blocks resident per SM) when
+    as fit ``splits`` whole waves of the GPU's ``slots`` (blocks of one wave: ``wave_slots``) when
     each split is ``units`` blocks (batch x kv heads x row chunks), at least one: a partial
     last wave of a memory-bound kernel leaves SMs idle while it streams. Capped at one
     split per tile of the capacity and at MAX_DECODE_SPLITS."""
