@@ -827,3 +827,24 @@ def test_explain_takes_empty_dims_and_refuses_what_the_call_would() -> None:
         attention.explain([0.0], q, q)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="^causal must be a bool, got str 'no'$"):
         attention.explain(q, q, q, causal="no")  # type: ignore[arg-type]
+
+
+def test_a_call_in_a_kernels_context_returns_its_result_and_gives_the_context_back() -> None:
+    """``in_context`` (launches, and the decode launcher's count of clusters that fit): the call
+    runs with the kernel's context current and returns what it returns; a thread that had
+    another device's context gets it back, one that had none keeps the kernel's."""
+    from evoengine.launch.core import Loaded, in_context
+
+    current = [0]
+    loaded = Loaded(1, 7, lambda *a: None, lambda: current[0],
+                    lambda c: current.__setitem__(0, c), None)
+    seen: list[int] = []
+
+    def call(x: int) -> int:
+        seen.append(current[0])
+        return 2 * x
+
+    for before, after in ((7, 7), (0, 7), (9, 9)):
+        current[0] = before
+        assert in_context(loaded, call, 21) == 42 and current[0] == after
+    assert seen == [7, 7, 7]

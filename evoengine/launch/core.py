@@ -15,10 +15,12 @@ import math
 import numbers
 import struct
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
+
+T = TypeVar("T")  # what a call made in a kernel's context returns
 
 LOG2E = 1.4426950408889634
 KERNEL_NAME = "attn_fwd"
@@ -325,21 +327,19 @@ def launch_cooperative_in_context(loaded: Loaded, args: tuple) -> None:
     in_context(loaded, loaded.launch_cooperative, *args)
 
 
-def in_context(loaded: Loaded, fn: Callable[..., None], *args: Any) -> None:
+def in_context(loaded: Loaded, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` (a driver or runtime call) in the kernel's device context, whatever
-    context the thread has."""
+    context the thread has; its result."""
     current = loaded.get_ctx()
     if current == loaded.ctx:
-        fn(*args)
-    elif current == 0:  # a thread with no context yet: bind it, as the runtime would
-        loaded.set_ctx(loaded.ctx)
-        fn(*args)
-    else:  # another device is current: call in this one's, then give it back
-        loaded.set_ctx(loaded.ctx)
-        try:
-            fn(*args)
-        finally:
-            loaded.set_ctx(current)
+        return fn(*args)
+    loaded.set_ctx(loaded.ctx)
+    if current == 0:  # a thread with no context yet: bind it, as the runtime would
+        return fn(*args)
+    try:  # another device is current: call in this one's, then give it back
+        return fn(*args)
+    finally:
+        loaded.set_ctx(current)
 
 
 def zero_int32(address: int, stream: int) -> None:

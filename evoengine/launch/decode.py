@@ -59,6 +59,7 @@ from evoengine.launch.core import (
     check_flag,
     check_grid_dims,
     check_shared,
+    in_context,
     launch_cooperative_in_context,
     launch_in_context,
     raw_stream,
@@ -365,9 +366,8 @@ class CudaDecode:
                 loaded.fn, self.main.threads, self.main.smem_bytes, index)
             clusters = None
             if self.cluster > 1:
-                with torch.cuda.device(index):  # the device's primary context, current
-                    clusters = resident_clusters(loaded.fn, self.main.threads,
-                                                 self.main.smem_bytes, self.cluster)
+                clusters = in_context(loaded, resident_clusters, loaded.fn, self.main.threads,
+                                      self.main.smem_bytes, self.cluster)
             self._slots[index] = wave_slots(blocks, clusters, self.cluster)
 
     def plan(self, shape: DecodeShape, index: int) -> tuple[int, int]:
