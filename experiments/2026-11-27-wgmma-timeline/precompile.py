@@ -1,0 +1,33 @@
+"""Fill the compile cache with tests/gpu/test_kernels.py's PV_WAIT twins (VALUE_TWINS[:7], each
+point and its legacy twin, on every problem) in one parallel batch, and write the tests' node ids
+to ids.txt for pytest:
+    python experiments/2026-11-27-wgmma-timeline/precompile.py && \
+        python -m pytest -q $(cat experiments/2026-11-27-wgmma-timeline/ids.txt)"""
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+from evoengine.compile import compile_many  # noqa: E402
+from evoengine.render import make_candidate  # noqa: E402
+from evoengine.runtime import gpu_arch  # noqa: E402
+from tests.gpu.test_kernels import PROBLEMS, VALUE_TWINS, space  # noqa: E402
+
+TWINS = [i for i, (point, _) in enumerate(VALUE_TWINS) if point.get("PV_WAIT") == "after_softmax"]
+arch, sp = gpu_arch(), space("wgmma").with_untested()
+cands, ids = {}, []
+for problem in PROBLEMS:
+    pid = f"d{problem['HEAD_DIM']}-{problem['DTYPE']}-{problem['CAUSAL']}"
+    for i in TWINS:
+        point, legacy = VALUE_TWINS[i]
+        ids.append(f"tests/gpu/test_kernels.py::test_wgmma_value_is_its_twin[{pid}-{i}]")
+        for p in (point, {**point, **legacy}):
+            if not sp.violations(p, problem, arch):
+                c = make_candidate(sp, p, problem, arch)
+                cands[c.identity] = c
+todo = list(cands.values())
+bad = [c.identity for c, r in zip(todo, compile_many(todo, arch), strict=True) if not r.ok]
+(HERE / "ids.txt").write_text("\n".join(ids) + "\n")
+print(f"{len(todo)} compiled, {len(bad)} failed; {len(ids)} tests", *bad, sep="\n")
