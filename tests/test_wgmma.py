@@ -45,8 +45,7 @@ from evoengine.space import SearchSpace, default_spaces, spread
 SM90 = get_arch("sm_90a")
 BASE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-            SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q",
-            PV_WAIT="free")
+            SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q")
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 SPREAD = 16  # compiled points: two per default problem
@@ -106,7 +105,7 @@ def test_space_targets_sm90a_only() -> None:
     assert sp.archs == ("sm_90a",)
     assert list(sp.parameters) == ["BLOCK_M", "BLOCK_N", "STAGES", "SWIZZLE", "P_FROM",
                                    "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER",
-                                   "SCHEDULER", "PACK_GQA", "P_BARRIER", "O_STAGE", "PV_WAIT"]
+                                   "SCHEDULER", "PACK_GQA", "P_BARRIER", "O_STAGE"]
     for arch in ("sm_80", "sm_86", "sm_89"):
         target = get_arch(arch)
         assert sp.violations(BASE, HD64, target) == [f"family wgmma does not target {arch}"]
@@ -197,75 +196,13 @@ def test_p_barrier_and_o_stage_build_at_the_d128_winners_tile(causal: bool) -> N
         assert bars["turn"] < bars["legacy"] and bars["both"] < bars["p"], bars
 
 
-def test_dynamic_scheduler_and_the_pin_add_their_slot() -> None:
-    """The words next to the mbarriers (the tile naming each block's next tile, the softmax's
-    pin store): 16 bytes when either is on, one slot for both; the kernel static_asserts the same
-    size (compiled below)."""
-    sp = space().with_untested()
-    base = {**BASE, "PERSISTENT": True}
-    sizes = {name: sp.env({**base, **extra}, HD128, SM90)
-             for name, extra in (("static", {}), ("dynamic", {"SCHEDULER": "dynamic"}),
-                                 ("pinned", {"PV_WAIT": "after_softmax"}),
-                                 ("both", {"SCHEDULER": "dynamic", "PV_WAIT": "after_softmax"}))}
-    assert [sizes[k]["SLOT_BYTES"] for k in ("static", "dynamic", "pinned", "both")] == [0, 16,
-                                                                                          16, 16]
-    assert sizes["both"]["SMEM_BYTES"] == sizes["static"]["SMEM_BYTES"] + 16
-
-
-_INSN = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+([^;]*);", re.M)
-
-
-def sass_loops(cubin: bytes) -> list[list[str]]:
-    """The instructions of each loop (a branch back to an earlier address) that issues HGMMAs
-    around no other such loop (the key-block loops, not the tile loop), in program order."""
-    assert CUOBJDUMP is not None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    insns = [(int(a, 16), t.strip()) for a, t in _INSN.findall(text)]
-    spans = []
-    for at, text in insns:
-        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < at:
-            spans.append((int(target.group(1), 16), at))
-    gemm = [(a, b) for a, b in spans
-            if any(a <= at <= b and t.startswith("HGMMA") for at, t in insns)]
-    inner = [(a, b) for a, b in gemm
-             if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in gemm)]
-    return [[t for at, t in insns if a <= at <= b] for a, b in inner]
-
-
-@pytest.mark.parametrize("tile", ["d64", "d128"])
-def test_pv_wait_after_softmax_keeps_the_exponentials_ahead_of_the_pv_wait(tile: str) -> None:
-    """PV_WAIT "after_softmax" at the 11-27 winners' tiles (d64: P in registers; d128: P through
-    shared memory, the turn barrier, O in the P tile; both 192 x 128, ping-pong, persistent,
-    dynamic): no spill, and in every loop that overlaps a P.V with the softmax, each MUFU.EX2
-    comes before the wait for all wgmmas (WARPGROUP.DEPBAR.LE gsb0, 0x0), i.e. the softmax of
-    S_j runs under P_{j-1} V_{j-1}. (With "free", ptxas puts that wait before the exponentials.)"""
-    if CUOBJDUMP is None:
-        pytest.skip("no cuobjdump")
-    sp = space().with_untested()
-    point = {**BASE, "BLOCK_M": 192, "PINGPONG": True, "PERSISTENT": True,
-             "SCHEDULER": "dynamic", "PV_WAIT": "after_softmax"}
-    if tile == "d64":
-        problem = {**HD64, "DTYPE": "bf16"}
-    else:
-        problem = {**HD128, "CAUSAL": False}
-        point.update(P_FROM="smem", P_BARRIER="turn", O_STAGE="p")
-    for causal in (False, True):
-        c = make_candidate(sp, point, {**problem, "CAUSAL": causal}, SM90)
-        r = compile_source(render(c), SM90, c.defines(SM90), identity=c.identity,
-                           smem_bytes=c.smem_bytes)
-        check_compiled(c, r)
-        overlapped = [body for body in sass_loops(r.cubin or b"")
-                      if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body]
-        assert overlapped, c.identity
-        for body in overlapped:
-            exps = [i for i, t in enumerate(body) if t.startswith("MUFU.EX2")]
-            (wait_all,) = [i for i, t in enumerate(body) if t == "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
-            assert exps and max(exps) < wait_all, (c.identity, max(exps), wait_all)
+def test_dynamic_scheduler_adds_its_tile_slot() -> None:
+    """The slot naming each tile to the consumers: 16 bytes next to the mbarriers, only when
+    dynamic; the kernel static_asserts the same size (compiled below)."""
+    static = space().env({**BASE, "PERSISTENT": True}, HD128, SM90)
+    dynamic = space().env({**BASE, "PERSISTENT": True, "SCHEDULER": "dynamic"}, HD128, SM90)
+    assert static["TILE_SLOT_BYTES"] == 0 and dynamic["TILE_SLOT_BYTES"] == 16
+    assert dynamic["SMEM_BYTES"] == static["SMEM_BYTES"] + 16
 
 
 # (rule text, parameter override, problem, target, extra domain values)
@@ -289,9 +226,6 @@ CONSTRAINT_CASES = [
      SM90, {"P_BARRIER": "turn"}),
     ("O_STAGE == 'own_or_q' or (PERSISTENT and P_FROM == 'smem' and BLOCK_N >= HEAD_DIM and "
      "O_BYTES == 0)", {"O_STAGE": "p"}, HD64, SM90, {"O_STAGE": "p"}),
-    ("PV_WAIT == 'free' or INTRA_WG_OVERLAP", {"PV_WAIT": "after_softmax",
-                                              "INTRA_WG_OVERLAP": False}, HD64, SM90,
-     {"PV_WAIT": "after_softmax"}),
 ]
 
 
