@@ -45,7 +45,8 @@ from evoengine.space import SearchSpace, default_spaces, spread
 SM90 = get_arch("sm_90a")
 BASE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
-            SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q")
+            SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q",
+            O_STORE="threads")
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 SPREAD = 16  # compiled points: two per default problem
@@ -105,7 +106,7 @@ def test_space_targets_sm90a_only() -> None:
     assert sp.archs == ("sm_90a",)
     assert list(sp.parameters) == ["BLOCK_M", "BLOCK_N", "STAGES", "SWIZZLE", "P_FROM",
                                    "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER",
-                                   "SCHEDULER", "PACK_GQA", "P_BARRIER", "O_STAGE"]
+                                   "SCHEDULER", "PACK_GQA", "P_BARRIER", "O_STAGE", "O_STORE"]
     for arch in ("sm_80", "sm_86", "sm_89"):
         target = get_arch(arch)
         assert sp.violations(BASE, HD64, target) == [f"family wgmma does not target {arch}"]
@@ -196,6 +197,34 @@ def test_p_barrier_and_o_stage_build_at_the_d128_winners_tile(causal: bool) -> N
         assert bars["turn"] < bars["legacy"] and bars["both"] < bars["p"], bars
 
 
+@pytest.mark.parametrize("tile", ["d64", "d128-p", "d128-q"])
+def test_o_store_tma_builds_at_the_winners_tiles(tile: str) -> None:
+    """O_STORE "tma" at the 11-27 winners' tiles: d64 (P in registers, O in a buffer of its
+    own), d128 with O in the P tile, and d128 not persistent (O in Q's tile): no spill, and the
+    SASS stores O by TMA (one UTMASTG per swizzle panel); a ragged build of the same point keeps
+    the lanes' stores (no UTMASTG, no tm_o argument)."""
+    sp = space().with_untested()
+    point = {**BASE, "BLOCK_M": 192, "PINGPONG": True, "PERSISTENT": True,
+             "SCHEDULER": "dynamic", "O_STORE": "tma"}
+    problem = {**HD64, "DTYPE": "bf16"}
+    if tile != "d64":
+        problem = {**HD128, "CAUSAL": False}
+        point.update(P_FROM="smem", P_BARRIER="turn", O_STAGE="p")
+    if tile == "d128-q":
+        point.update(PERSISTENT=False, SCHEDULER="static", O_STAGE="own_or_q")
+    for extra in ({}, {"VARLEN": True}):
+        c = make_candidate(sp, point, {**problem, **extra}, SM90)
+        source = render(c)
+        assert ("TmaMap tm_o" in source) == (not extra), c.identity
+        r = compile_source(source, SM90, c.defines(SM90), identity=c.identity,
+                           smem_bytes=c.smem_bytes)
+        check_compiled(c, r)
+        if CUOBJDUMP is not None:
+            ops = sass_opcodes(r.cubin or b"")
+            panels = int(problem["HEAD_DIM"]) * 2 // 128
+            assert ops.count("UTMASTG") == (0 if extra else panels), c.identity
+
+
 def test_dynamic_scheduler_adds_its_tile_slot() -> None:
     """The slot naming each tile to the consumers: 16 bytes next to the mbarriers, only when
     dynamic; the kernel static_asserts the same size (compiled below)."""
@@ -226,6 +255,8 @@ CONSTRAINT_CASES = [
      SM90, {"P_BARRIER": "turn"}),
     ("O_STAGE == 'own_or_q' or (PERSISTENT and P_FROM == 'smem' and BLOCK_N >= HEAD_DIM and "
      "O_BYTES == 0)", {"O_STAGE": "p"}, HD64, SM90, {"O_STAGE": "p"}),
+    ("O_STORE == 'threads' or not PACK_GQA", {"O_STORE": "tma", "PACK_GQA": True}, HD64, SM90,
+     {"O_STORE": "tma"}),
 ]
 
 
@@ -510,6 +541,8 @@ def test_tma_params_come_from_the_family() -> None:
     # Specs exported before SCHEDULER existed: static kernels.
     older = {k: v for k, v in dynamic.params.items() if k != "SCHEDULER"}
     assert tma_params("wgmma", older) == TmaParams(128, 128, True, False)
+    stores = make_candidate(space().with_untested(), {**BASE, "O_STORE": "tma"}, HD128, SM90)
+    assert tma_params(stores.family, stores.params) == TmaParams(128, 128, False, o_store=True)
 
 
 def test_an_exported_wgmma_kernel_launches_through_tensor_maps() -> None:
@@ -536,6 +569,42 @@ def test_tma_arguments_sit_at_their_natural_alignment() -> None:
         offset += size
     assert list(launch_tma.TMA_ARG_OFFSETS) == expected
     assert launch_tma.TMA_ARGS.size == offset
+    # O_STORE "tma": O's tensor map after the counter, at 64.
+    with_o = -(-offset // 64) * 64
+    assert list(launch_tma.TMA_O_ARG_OFFSETS) == [*expected, with_o]
+    assert launch_tma.TMA_O_ARGS.size == with_o + 128
+
+
+def test_an_o_store_kernel_gets_the_output_map_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's side of O_STORE "tma", the driver faked: the argument block carries a map
+    of the output in boxes of 16 rows after the counter; without it, no fifth field."""
+    for o_store in ("threads", "tma"):
+        c = make_candidate(space().with_untested(), {**BASE, "O_STORE": o_store}, HD128, SM90)
+        k = CudaKernel(c.identity, head_dim=128, dtype="bf16", causal=True, block_m=c.block_m,
+                       threads=c.threads, smem_bytes=c.smem_bytes, arch="sm_90a", cubin=b"x",
+                       tma=tma_params(c.family, c.params))
+        monkeypatch.setattr(launch_forward, "launch_in_context", lambda loaded, args: None)
+        monkeypatch.setattr(launch_forward, "sm_count", lambda index: 132)
+        monkeypatch.setattr(launch_forward, "raw_stream", lambda index: 0)
+        seen: list[tuple[int, int]] = []
+
+        def fake_map(t: torch.Tensor, rows: int, pack: int = 0,
+                     seen: list[tuple[int, int]] = seen) -> bytes:
+            seen.append((t.data_ptr(), rows))
+            return bytes([len(seen)]) * 128
+        monkeypatch.setattr(k, "_tensor_map", fake_map)
+        k._loaded[-1] = launch_forward.Loaded(0, 0, lambda *a: None, lambda: 0, lambda c: None,
+                                              None)
+        q = torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        k.launch(q, q, q, out, None, launch_forward.Problem(1, 2, 2, 300, 300, 128), 0.1)
+        assert len(k._argv) == (16 if o_store == "tma" else 15)
+        if o_store == "tma":
+            assert seen[-1] == (out.data_ptr(), launch_tma.TMA_O_ROWS)
+            at = launch_tma.TMA_O_ARG_OFFSETS[-1]
+            assert k._args.raw[at:at + 128] == bytes([len(seen)]) * 128
+        else:
+            assert all(ptr != out.data_ptr() for ptr, _ in seen)
 
 
 class _FakeLaunch:

@@ -51,6 +51,9 @@ from evoengine.launch.core import (
 from evoengine.launch.tma import (
     TMA_ARG_OFFSETS,
     TMA_ARGS,
+    TMA_O_ARG_OFFSETS,
+    TMA_O_ARGS,
+    TMA_O_ROWS,
     TMA_Q_ROWS,
     TmaParams,
     encode_tensor_map,
@@ -108,7 +111,8 @@ class CudaKernel:
         self._load_lock = threading.Lock()
         # One argument buffer per kernel, and the array of pointers into it that
         # cuLaunchKernel takes; the lock keeps a packed buffer intact until the launch.
-        packing, offsets = (TMA_ARGS, TMA_ARG_OFFSETS) if tma else (_ARGS, _ARG_OFFSETS)
+        packing, offsets = ((TMA_O_ARGS, TMA_O_ARG_OFFSETS) if tma and tma.o_store
+                            else (TMA_ARGS, TMA_ARG_OFFSETS) if tma else (_ARGS, _ARG_OFFSETS))
         self._args = ctypes.create_string_buffer(packing.size)
         base = ctypes.addressof(self._args)
         self._argv = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))
@@ -253,10 +257,13 @@ class CudaKernel:
         stream = raw_stream(index)
         with self._lock:  # the argument buffer and the counters: one launch at a time
             counter = self._counter(q.device, stream) if self.tma.dynamic else 0
-            TMA_ARGS.pack_into(
-                self._args, 0, *maps, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
-                p.seq_q, p.seq_k, p.heads, p.heads // p.kv_heads, tiles, os_[0], os_[1], os_[2],
-                scale * LOG2E, counter)
+            args = (*maps, out.data_ptr(), 0 if lse is None else lse.data_ptr(), p.seq_q, p.seq_k,
+                    p.heads, p.heads // p.kv_heads, tiles, os_[0], os_[1], os_[2], scale * LOG2E,
+                    counter)
+            if self.tma.o_store:
+                TMA_O_ARGS.pack_into(self._args, 0, *args, self._tensor_map(out, TMA_O_ROWS))
+            else:
+                TMA_ARGS.pack_into(self._args, 0, *args)
             if counter:  # zeroed on this stream right before the launch that draws from it
                 in_context(loaded, zero_int32, counter, stream)
             launch_in_context(loaded, (loaded.fn, grid, 1, 1, self.threads, 1, 1,

@@ -21,6 +21,10 @@ _TMA_L2_256B = 3
 # the tile counter (a pointer, 8-byte aligned after the float).
 TMA_ARGS = struct.Struct("=128s128s128s2Q5i4x3qf4xQ")
 TMA_ARG_OFFSETS = (0, 128, 256, 384, 392, *range(400, 420, 4), *range(424, 448, 8), 448, 456)
+# O_STORE "tma": the same, then O's tensor map (64-byte aligned) as the last argument.
+TMA_O_ARGS = struct.Struct("=128s128s128s2Q5i4x3qf4xQ48x128s")
+TMA_O_ARG_OFFSETS = (*TMA_ARG_OFFSETS, 512)
+TMA_O_ROWS = 16  # rows of O per store: each consumer warp's
 
 
 class TmaParams(NamedTuple):
@@ -31,6 +35,7 @@ class TmaParams(NamedTuple):
     persistent: bool  # one block per SM, each looping over tiles
     dynamic: bool = False  # persistent blocks draw tiles from a zeroed counter in global memory
     pack: bool = False  # PACK_GQA: a tile's rows are pack_heads(kv_group) heads per token
+    o_store: bool = False  # O_STORE "tma": O goes out by TMA stores through a map of its own
 
     def pack_heads(self, kv_group: int) -> int:
         """P, the query heads a tile packs per token: 1, or (PACK_GQA) the lowest set bit of
@@ -42,14 +47,14 @@ class TmaParams(NamedTuple):
 def tma_params(family: str, params: Mapping[str, Any]) -> TmaParams | None:
     """The TMA launch of a candidate of ``family``, or None for a pointer-ABI family.
 
-    Specs exported before the wgmma space had SCHEDULER (or PACK_GQA) lack it: those kernels
-    are static (and unpacked).
+    Specs exported before the wgmma space had SCHEDULER (or PACK_GQA, O_STORE) lack it: those
+    kernels are static (unpacked, and store O from every lane).
     """
     if family not in TMA_FAMILIES:
         return None
     return TmaParams(int(params["SWIZZLE"]), int(params["BLOCK_N"]), bool(params["PERSISTENT"]),
                      params.get("SCHEDULER", "static") == "dynamic",
-                     bool(params.get("PACK_GQA", False)))
+                     bool(params.get("PACK_GQA", False)), params.get("O_STORE") == "tma")
 
 
 class TmaGeometry(NamedTuple):

@@ -1,8 +1,9 @@
-"""Fill the compile cache with tests/gpu/test_kernels.py's PV_WAIT twins (VALUE_TWINS[:7], each
-point and its legacy twin, on every problem) in one parallel batch, and write the tests' node ids
-to ids.txt for pytest:
-    python experiments/2026-11-27-wgmma-timeline/precompile.py && \
-        python -m pytest -q $(cat experiments/2026-11-27-wgmma-timeline/ids.txt)"""
+"""Fill the compile cache with tests/gpu/test_kernels.py's twins of one new value (each point of
+VALUE_TWINS whose PARAM is VALUE, and its legacy twin, on every problem) in one parallel batch,
+and write the tests' node ids to ids.txt for pytest:
+    python experiments/2026-11-27-wgmma-timeline/precompile.py O_STORE tma && \
+        python -m pytest -q $(cat experiments/2026-11-27-wgmma-timeline/ids.txt)
+(943e50f's tree ran it for PV_WAIT after_softmax.)"""
 
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ from evoengine.render import make_candidate  # noqa: E402
 from evoengine.runtime import gpu_arch  # noqa: E402
 from tests.gpu.test_kernels import PROBLEMS, VALUE_TWINS, space  # noqa: E402
 
-TWINS = [i for i, (point, _) in enumerate(VALUE_TWINS) if point.get("PV_WAIT") == "after_softmax"]
+PARAM, VALUE = sys.argv[1:3] if len(sys.argv) == 3 else ("PV_WAIT", "after_softmax")
+TWINS = [i for i, (point, _) in enumerate(VALUE_TWINS) if point.get(PARAM) == VALUE]
 arch, sp = gpu_arch(), space("wgmma").with_untested()
 cands, ids = {}, []
 for problem in PROBLEMS:

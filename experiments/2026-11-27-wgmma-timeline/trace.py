@@ -35,7 +35,7 @@ CODES = {1: "start", 8: "data", 2: "turn", 3: "issued", 4: "s_done", 5: "softmax
 PRELUDE = f"""
 __device__ unsigned long long evo_trace[{BLOCKS * 3 * MAXEV}];
 #define EVO_MARK(code) do {{ if (evo_on && evo_k < {MAXEV}) {{ \\
-    evo_trace[(blockIdx.x * 3 + cw) * {MAXEV} + evo_k++] = (clock64() << 4) | (code); \\
+    evo_trace[(blockIdx.x * 3 + cw) * {MAXEV} + evo_k++] = (clock64() << 5) | (code); \\
   }} }} while (0)
 """
 
@@ -93,7 +93,59 @@ PATCHES = [
 ]
 
 
-def traced_source(source: str) -> str:
+# With --tiles: marks around a tile's edges too (codes 9-15), the key-block marks as above.
+Q_BACK = ("        if constexpr (Q_EARLY) warp::release(bars.q_empty(), me.lane);  // the S GEMMs"
+          " are done with Q\n")
+O_SYNC = ("    if constexpr (O_OWN) {\n      __syncwarp();  // the warp's reads of its rows are"
+          " done before the next tile's writes\n")
+S0 = "        wg::s_done<0>(f, me, k_ring.slot);\n"
+TILE_PATCHES = [
+    ("    int sq = seq_q, sk = seq_k;\n",
+     "    EVO_MARK(11);\n    int sq = seq_q, sk = seq_k;\n"),
+    ("    if (n_full > 0 || blocks.n_mine() > 0) {\n      float alpha[2];\n",
+     "    if (n_full > 0 || blocks.n_mine() > 0) {\n      float alpha[2];\n      EVO_MARK(12);\n"),
+    (S0 + "        k_ring.advance();\n",
+     S0 + "        EVO_MARK(13);\n        k_ring.advance();\n"),
+    ("        wg::write_p(f, me);\n        auto block = [&](int j, auto masked) {\n",
+     "        wg::write_p(f, me);\n        EVO_MARK(14);\n"
+     "        auto block = [&](int j, auto masked) {\n"),
+    (Q_BACK, Q_BACK + "        EVO_MARK(15);\n"),
+    ("        wg::pv_done<false>(f, me, v_ring.slot);\n        v_ring.advance();\n"
+     "        ring = v_ring;\n",
+     "        wg::pv_done<false>(f, me, v_ring.slot);\n        EVO_MARK(9);\n"
+     "        v_ring.advance();\n        ring = v_ring;\n"),
+    (O_SYNC, "    EVO_MARK(10);\n" + O_SYNC),
+    ("    u32 o_tile = O_OWN ? base", "    EVO_MARK(16);\n    u32 o_tile = O_OWN ? base"),
+    ("    __syncwarp();\n    warp::store_o(",
+     "    EVO_MARK(17);\n    __syncwarp();\n    warp::store_o("),
+]
+TILE_CODES = {11: "tile", 12: "q_ready", 13: "s0_done", 14: "p0_written", 15: "last_s_done",
+              9: "last_pv_done", 16: "o_synced", 17: "o_staged", 10: "o_stored"}
+
+
+def tile_phases(events: list[tuple[int, int]]) -> dict[str, float]:
+    """Median cycles of a tile's edges: from the last key block's end (7) through the last
+    P.V (15, 9), the epilogue (its barrier 16, O staged 17, O stored 10), the next tile's start
+    (11), its Q (12), its first S (13) and first P (14), to its second key block (1)."""
+    order = [7, 15, 9, 16, 17, 10, 11, 12, 13, 14, 1]
+    names = ["to_last_pv", "last_pv", "o_sync", "o_stage", "o_store", "loop_top", "q_wait", "s0",
+             "softmax0_p0", "to_block1"]
+    out: dict[str, list[int]] = {n: [] for n in names}
+    codes = [c for _, c in events]
+    for i in range(len(events) - len(order) + 1):
+        if codes[i:i + len(order)] == order:
+            w = events[i:i + len(order)]
+            for n, (a, b) in zip(names, zip(w, w[1:], strict=False), strict=True):
+                out[n].append(b[0] - a[0])
+    return {n: statistics.median(v) for n, v in out.items() if v}
+
+
+def traced_source(source: str, tiles: bool = False) -> str:
+    if tiles:
+        for anchor, text in TILE_PATCHES:
+            if source.count(anchor) != 1:
+                raise SystemExit(f"trace: the template changed: {anchor.splitlines()[0]!r}...")
+            source = source.replace(anchor, text)
     for anchor, text in PATCHES:
         if PIN not in source:
             anchor, text = anchor.replace(PIN, ""), text.replace(PIN, "")
@@ -144,6 +196,7 @@ def main() -> int:
     ap.add_argument("--points", required=True,
                     help="JSON list of {workload: 'B,H,S,D[,causal]', dtype, params}")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--tiles", action="store_true", help="mark the tiles' edges too")
     args = ap.parse_args()
     arch = arch_of_capability(*torch.cuda.get_device_capability())
     rows = []
@@ -153,7 +206,8 @@ def main() -> int:
         spaces = [sp.with_untested() for sp in default_spaces()]
         wgmma = next(sp for sp in spaces if sp.family == "wgmma")
         cand = Domain(spaces, w, arch).candidate("wgmma", wgmma.complete(entry["params"]))
-        compiled = compile_source(traced_source(render(cand)), arch, cand.defines(arch),
+        compiled = compile_source(traced_source(render(cand), args.tiles), arch,
+                                  cand.defines(arch),
                                   identity=f"{cand.identity}@trace", smem_bytes=cand.smem_bytes)
         if not compiled.ok:
             raise SystemExit(f"trace: {cand.identity}: {compiled.error}")
@@ -186,17 +240,26 @@ def main() -> int:
         for slot in range(BLOCKS * 3):
             if slot % 3 >= consumers:
                 continue
-            events = [(int(x) >> 4, int(x) & 15) for x in data[slot] if x]
-            ph = phases(events)
+            events = [(int(x) >> 5, int(x) & 31) for x in data[slot] if x]
+            ph = phases([e for e in events if e[1] in CODES])
+            edges = tile_phases(events) if args.tiles else {}
             med = {k: (statistics.median(v) if v else None) for k, v in ph.items()}
             per_wg.append(dict(block=slot // 3, wg=slot % 3, blocks=len(ph["period"]) + 1,
-                               median=med, raw=events[:400]))
+                               median=med, tile_edges=edges, raw=events[:400]))
         summary = {k: statistics.median([r["median"][k] for r in per_wg if r["median"][k]])
                    for k in per_wg[0]["median"]}
         row = dict(workload=entry["workload"], dtype=entry["dtype"], params=p,
                    launch_ms=start.elapsed_time(end), tensor_ideal_per_wg=tensor_ideal,
                    mufu_ideal_per_wg=mufu_ideal, consumers=consumers, median=summary,
                    warpgroups=per_wg)
+        if args.tiles:
+            keys = {k for r in per_wg for k in r["tile_edges"]}
+            row["tile_edges"] = {k: statistics.median([r["tile_edges"][k] for r in per_wg
+                                                       if k in r["tile_edges"]]) for k in keys}
+            print("  tile edges (cycles): " + ", ".join(
+                f"{k} {row['tile_edges'][k]:.0f}" for k in
+                ("to_last_pv", "last_pv", "o_sync", "o_stage", "o_store", "loop_top", "q_wait",
+                 "s0", "softmax0_p0", "to_block1") if k in row["tile_edges"]), flush=True)
         rows.append(row)
         print(f"{entry['workload']} {entry['dtype']} {bm}x{bn} P_{p['P_FROM']}: "
               f"launch {row['launch_ms'] * 1e3:.0f} us; per key block (cycles, median over "

@@ -89,6 +89,29 @@ __device__ __forceinline__ void load_4d(u32 dst, const TmaMap* map, u32 bar, int
       : "memory");
 }
 
+// Copies `src` in shared memory to the box at (c0 innermost .. c3) of a rank-4 tensor map, as
+// a bulk group of this thread; elements past the tensor's edges are not written.
+__device__ __forceinline__ void store_4d(const TmaMap* map, u32 src, int c0, int c1, int c2,
+                                         int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+      ::"l"(reinterpret_cast<u64>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// This thread's bulk stores so far form one group.
+__device__ __forceinline__ void commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// At most N of this thread's store groups still read shared memory (READ) or run at all.
+template <int N, bool READ>
+__device__ __forceinline__ void wait_stores() {
+  if constexpr (READ) {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+  }
+}
+
 __device__ __forceinline__ void load_5d(u32 dst, const TmaMap* map, u32 bar, int c0, int c1,
                                         int c2, int c3, int c4) {
   asm volatile(

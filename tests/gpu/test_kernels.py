@@ -26,7 +26,7 @@ def wgmma_point(**override: object) -> dict[str, object]:
     return {**dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
                    INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
                    SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup",
-                   O_STAGE="own_or_q"), **override}
+                   O_STAGE="own_or_q", O_STORE="threads"), **override}
 
 
 # Hand-picked points spanning each family's parameters (stages, swizzle, Q placement,
@@ -255,8 +255,21 @@ def test_wgmma_packed_gqa(problem: dict, idx: int) -> None:
 # alone; two and three consumers, with and without overlap, swizzles of 32 to 128 bytes,
 # persistent with the dynamic scheduler. O_STAGE "p": a persistent block stages O in each
 # consumer's P tile and hands Q back after the last S GEMM; with and without ping-pong, with the
-# turn barrier, the dynamic scheduler, packed GQA heads.
+# turn barrier, the dynamic scheduler, packed GQA heads. O_STORE "tma": O out by TMA stores of
+# each warp's 16 rows, staged in a buffer of its own, in the P tile or in Q's; one to three
+# consumers, swizzles of 32 to 128 bytes, persistent static and dynamic.
 VALUE_TWINS = [
+    (wgmma_point(BLOCK_M=192, PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic",
+                 O_STORE="tma"), {"O_STORE": "threads"}),
+    (wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic",
+                 P_BARRIER="turn", O_STAGE="p", O_STORE="tma"), {"O_STORE": "threads"}),
+    (wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, P_BARRIER="turn", O_STORE="tma"),
+     {"O_STORE": "threads"}),
+    (wgmma_point(O_STORE="tma"), {"O_STORE": "threads"}),
+    (wgmma_point(PERSISTENT=True, SWIZZLE=64, O_STORE="tma"), {"O_STORE": "threads"}),
+    (wgmma_point(BLOCK_N=96, SWIZZLE=32, P_FROM="smem", O_STORE="tma"), {"O_STORE": "threads"}),
+    (wgmma_point(BLOCK_M=64, STAGES=3, PERSISTENT=True, SCHEDULER="dynamic", O_STORE="tma"),
+     {"O_STORE": "threads"}),
     (wgmma_point(BLOCK_N=64, STAGES=3, SWIZZLE=64, P_FROM="smem", INTRA_WG_OVERLAP=False,
                  PINGPONG=True, PERSISTENT=True, P_BARRIER="turn"), {"P_BARRIER": "warpgroup"}),
     (wgmma_point(BLOCK_N=96, SWIZZLE=32, P_FROM="smem", PINGPONG=True, P_BARRIER="turn"),
