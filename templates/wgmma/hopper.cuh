@@ -100,7 +100,9 @@ __device__ __forceinline__ void store_4d(const TmaMap* map, u32 src, int c0, int
 }
 
 // This thread's bulk stores so far form one group.
-__device__ __forceinline__ void commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
 
 // At most N of this thread's store groups still read shared memory (READ) or run at all.
 template <int N, bool READ>
