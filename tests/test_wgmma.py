@@ -203,7 +203,7 @@ def test_o_store_tma_builds_at_the_winners_tiles(tile: str) -> None:
     own), d128 with O in the P tile, and d128 not persistent (O in Q's tile): no spill, and the
     SASS stores O by TMA (one UTMASTG per swizzle panel); a ragged build of the same point keeps
     the lanes' stores (no UTMASTG, no tm_o argument)."""
-    sp = space().with_untested()
+    sp = space()
     point = {**BASE, "BLOCK_M": 192, "PINGPONG": True, "PERSISTENT": True,
              "SCHEDULER": "dynamic", "O_STORE": "tma"}
     problem = {**HD64, "DTYPE": "bf16"}
@@ -541,7 +541,7 @@ def test_tma_params_come_from_the_family() -> None:
     # Specs exported before SCHEDULER existed: static kernels.
     older = {k: v for k, v in dynamic.params.items() if k != "SCHEDULER"}
     assert tma_params("wgmma", older) == TmaParams(128, 128, True, False)
-    stores = make_candidate(space().with_untested(), {**BASE, "O_STORE": "tma"}, HD128, SM90)
+    stores = make_candidate(space(), {**BASE, "O_STORE": "tma"}, HD128, SM90)
     assert tma_params(stores.family, stores.params) == TmaParams(128, 128, False, o_store=True)
 
 
@@ -579,7 +579,7 @@ def test_an_o_store_kernel_gets_the_output_map_last(monkeypatch: pytest.MonkeyPa
     """The launcher's side of O_STORE "tma", the driver faked: the argument block carries a map
     of the output in boxes of 16 rows after the counter; without it, no fifth field."""
     for o_store in ("threads", "tma"):
-        c = make_candidate(space().with_untested(), {**BASE, "O_STORE": o_store}, HD128, SM90)
+        c = make_candidate(space(), {**BASE, "O_STORE": o_store}, HD128, SM90)
         k = CudaKernel(c.identity, head_dim=128, dtype="bf16", causal=True, block_m=c.block_m,
                        threads=c.threads, smem_bytes=c.smem_bytes, arch="sm_90a", cubin=b"x",
                        tma=tma_params(c.family, c.params))

@@ -6,6 +6,9 @@ consumer warpgroup of the first BLOCKS blocks stores %clock64 (SM cycles) with a
   1 the block starts          8 its K and V have landed    2 its turn: the GEMMs issue
   3 S_j and P_{j-1} V_{j-1} issued, turn passed            4 S_j done
   5 softmax of S_j done       6 P_{j-1} V_{j-1} done       7 P_j written (the block ends)
+With --tiles, also a tile's edges: 15 the last S done (Q handed back), 9 the last P.V done,
+16 the epilogue's barrier passed, 17 O staged, 10 O stored, 11 the next tile's loop top, 12 its
+Q landed, 13 its first S done, 14 its first P written (tile_phases).
 
     python experiments/2026-11-27-wgmma-timeline/trace.py --out $OUT/timeline.json \
         --points experiments/2026-11-27-wgmma-timeline/points.json
