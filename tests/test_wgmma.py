@@ -545,16 +545,20 @@ def test_tma_params_come_from_the_family() -> None:
     assert tma_params(stores.family, stores.params) == TmaParams(128, 128, False, o_store=True)
 
 
-def test_an_exported_wgmma_kernel_launches_through_tensor_maps() -> None:
-    """A spec as export writes it gives a kernel with the TMA launch and its argument block."""
-    c = make_candidate(space(), BASE, HD64, SM90)
+@pytest.mark.parametrize("o_store", ["threads", "tma"])
+def test_an_exported_wgmma_kernel_launches_through_tensor_maps(o_store: str) -> None:
+    """A spec as export writes it gives a kernel with the TMA launch and its argument block
+    (O_STORE "tma": O's map as a 16th argument)."""
+    c = make_candidate(space(), {**BASE, "O_STORE": o_store}, HD64, SM90)
     cubin = b"\x7fELF not really a cubin"
     k = kernel_from_spec({"name": c.identity, "family": c.family, "params": c.params,
                           "problem": c.problem, "block_m": c.block_m, "threads": c.threads,
                           "smem_bytes": c.smem_bytes, "source": None, "cubin": cubin,
                           "cubin_sha256": sha256(cubin)}, "sm_90a")
-    assert k.tma == TmaParams(swizzle=128, block_n=128, persistent=False, dynamic=False)
-    assert len(k._argv) == 15  # 3 tensor maps, O, LSE, 5 int32, 3 strides, the scale, counter
+    assert k.tma == TmaParams(swizzle=128, block_n=128, persistent=False, dynamic=False,
+                              o_store=o_store == "tma")
+    # 3 tensor maps, O, LSE, 5 int32, 3 strides, the scale, the counter (and O's map)
+    assert len(k._argv) == (16 if o_store == "tma" else 15)
 
 
 def test_tma_arguments_sit_at_their_natural_alignment() -> None:
