@@ -22,8 +22,9 @@ _TMA_L2_256B = 3
 TMA_ARGS = struct.Struct("=128s128s128s2Q5i4x3qf4xQ")
 TMA_ARG_OFFSETS = (0, 128, 256, 384, 392, *range(400, 420, 4), *range(424, 448, 8), 448, 456)
 # O_STORE "tma": the same, then O's tensor map (64-byte aligned) as the last argument.
-TMA_O_ARGS = struct.Struct("=128s128s128s2Q5i4x3qf4xQ48x128s")
-TMA_O_ARG_OFFSETS = (*TMA_ARG_OFFSETS, 512)
+_TMA_O_AT = -(-TMA_ARGS.size // 64) * 64
+TMA_O_ARGS = struct.Struct(f"{TMA_ARGS.format}{_TMA_O_AT - TMA_ARGS.size}x128s")
+TMA_O_ARG_OFFSETS = (*TMA_ARG_OFFSETS, _TMA_O_AT)
 TMA_O_ROWS = 16  # rows of O per store: each consumer warp's
 
 

@@ -16,7 +16,9 @@ from evoengine.render import make_candidate  # noqa: E402
 from evoengine.runtime import gpu_arch  # noqa: E402
 from tests.gpu.test_kernels import PROBLEMS, VALUE_TWINS, space  # noqa: E402
 
-PARAM, VALUE = sys.argv[1:3] if len(sys.argv) == 3 else ("PV_WAIT", "after_softmax")
+if len(sys.argv) != 3:
+    raise SystemExit("usage: precompile.py PARAM VALUE (e.g. O_STORE tma)")
+PARAM, VALUE = sys.argv[1:3]
 TWINS = [i for i, (point, _) in enumerate(VALUE_TWINS) if point.get(PARAM) == VALUE]
 arch, sp = gpu_arch(), space("wgmma").with_untested()
 cands, ids = {}, []
