@@ -17,8 +17,9 @@ from evoengine.runtime import gpu_arch  # noqa: E402
 from tests.gpu.test_kernels import PROBLEMS, VALUE_TWINS, space  # noqa: E402
 
 if len(sys.argv) != 3:
-    raise SystemExit("usage: precompile.py PARAM VALUE (e.g. O_STORE tma)")
-PARAM, VALUE = sys.argv[1:3]
+    raise SystemExit("usage: precompile.py PARAM VALUE (e.g. O_STORE tma, TILE_OVERLAP True)")
+PARAM, VALUE = sys.argv[1], sys.argv[2]
+VALUE = {"True": True, "False": False}.get(VALUE, int(VALUE) if VALUE.isdigit() else VALUE)
 TWINS = [i for i, (point, _) in enumerate(VALUE_TWINS) if point.get(PARAM) == VALUE]
 arch, sp = gpu_arch(), space("wgmma").with_untested()
 cands, ids = {}, []
