@@ -46,7 +46,7 @@ SM90 = get_arch("sm_90a")
 BASE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
             SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q",
-            O_STORE="threads", TILE_OVERLAP=False)
+            O_STORE="threads")
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 SPREAD = 16  # compiled points: two per default problem
@@ -106,8 +106,7 @@ def test_space_targets_sm90a_only() -> None:
     assert sp.archs == ("sm_90a",)
     assert list(sp.parameters) == ["BLOCK_M", "BLOCK_N", "STAGES", "SWIZZLE", "P_FROM",
                                    "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER",
-                                   "SCHEDULER", "PACK_GQA", "P_BARRIER", "O_STAGE", "O_STORE",
-                                   "TILE_OVERLAP"]
+                                   "SCHEDULER", "PACK_GQA", "P_BARRIER", "O_STAGE", "O_STORE"]
     for arch in ("sm_80", "sm_86", "sm_89"):
         target = get_arch(arch)
         assert sp.violations(BASE, HD64, target) == [f"family wgmma does not target {arch}"]
@@ -226,33 +225,6 @@ def test_o_store_tma_builds_at_the_winners_tiles(tile: str) -> None:
             assert ops.count("UTMASTG") == (0 if extra else panels), c.identity
 
 
-@pytest.mark.parametrize("override", [
-    dict(BLOCK_M=192, PINGPONG=True, SCHEDULER="dynamic", O_STORE="tma"),  # the d64 winners'
-    dict(BLOCK_M=192, PINGPONG=True),  # static, the lanes' stores
-    dict(BLOCK_M=192, PINGPONG=True, PACK_GQA=True),
-    dict(BLOCK_N=96, SWIZZLE=32, P_FROM="smem", SCHEDULER="dynamic"),  # no ping-pong
-])
-def test_tile_overlap_compiles_clean(override: dict) -> None:
-    """TILE_OVERLAP at d64 and, where two Q slots fit, d128: no spill and no serialised wgmma
-    (a wgmma that ptxas saw in flight past the chain's last tile serialised every one of them,
-    1.25x slower on the H100, 2026-11-28); a ragged build is the point without it."""
-    sp = space().with_untested()
-    point = {**BASE, "PERSISTENT": True, "TILE_OVERLAP": True, **override}
-    built = 0
-    for problem in ({**HD64, "DTYPE": "bf16"}, {**HD128, "CAUSAL": False}):
-        if sp.violations(point, problem, SM90):
-            continue
-        c = make_candidate(sp, point, problem, SM90)
-        check_compiled(c, compile_source(render(c), SM90, c.defines(SM90), identity=c.identity,
-                                         smem_bytes=c.smem_bytes))
-        built += 1
-    assert built >= 1
-    ragged = {**HD64, "VARLEN": True}
-    with_it, without = (render(make_candidate(sp, {**point, "TILE_OVERLAP": v}, ragged, SM90))
-                        for v in (True, False))
-    assert with_it.splitlines()[1:] == without.splitlines()[1:]
-
-
 def test_dynamic_scheduler_adds_its_tile_slot() -> None:
     """The slot naming each tile to the consumers: 16 bytes next to the mbarriers, only when
     dynamic; the kernel static_asserts the same size (compiled below)."""
@@ -285,8 +257,6 @@ CONSTRAINT_CASES = [
      "O_BYTES == 0)", {"O_STAGE": "p"}, HD64, SM90, {"O_STAGE": "p"}),
     ("O_STORE == 'threads' or not PACK_GQA", {"O_STORE": "tma", "PACK_GQA": True}, HD64, SM90,
      {"O_STORE": "tma"}),
-    ("not TILE_OVERLAP or (PERSISTENT and INTRA_WG_OVERLAP and not CAUSAL and O_STAGE == "
-     "'own_or_q')", {"TILE_OVERLAP": True}, HD64, SM90, {"TILE_OVERLAP": True}),
 ]
 
 

@@ -26,7 +26,7 @@ def wgmma_point(**override: object) -> dict[str, object]:
     return {**dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
                    INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
                    SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup",
-                   O_STAGE="own_or_q", O_STORE="threads", TILE_OVERLAP=False), **override}
+                   O_STAGE="own_or_q", O_STORE="threads"), **override}
 
 
 # Hand-picked points spanning each family's parameters (stages, swizzle, Q placement,
@@ -257,10 +257,7 @@ def test_wgmma_packed_gqa(problem: dict, idx: int) -> None:
 # consumer's P tile and hands Q back after the last S GEMM; with and without ping-pong, with the
 # turn barrier, the dynamic scheduler, packed GQA heads. O_STORE "tma": O out by TMA stores of
 # each warp's 16 rows, staged in a buffer of its own, in the P tile or in Q's; one to three
-# consumers, swizzles of 32 to 128 bytes, persistent static and dynamic. TILE_OVERLAP: a
-# block's tiles chained (Q in two slots, the next S_0 issued with the last P.V, O staged in
-# Q's slot); one to three consumers, with and without ping-pong, P in registers and shared
-# memory (its barrier or the turn's), both O stores, static and dynamic, packed GQA heads.
+# consumers, swizzles of 32 to 128 bytes, persistent static and dynamic.
 VALUE_TWINS = [
     (wgmma_point(BLOCK_M=192, PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic",
                  O_STORE="tma"), {"O_STORE": "threads"}),
@@ -291,19 +288,6 @@ VALUE_TWINS = [
                  SCHEDULER="dynamic", O_STAGE="p"), {"O_STAGE": "own_or_q"}),
     (wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True, PACK_GQA=True,
                  O_STAGE="p"), {"O_STAGE": "own_or_q"}),
-    (wgmma_point(BLOCK_M=192, PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic",
-                 O_STORE="tma", TILE_OVERLAP=True), {"TILE_OVERLAP": False}),
-    (wgmma_point(BLOCK_M=192, PINGPONG=True, PERSISTENT=True, TILE_OVERLAP=True),
-     {"TILE_OVERLAP": False}),
-    (wgmma_point(PERSISTENT=True, TILE_OVERLAP=True), {"TILE_OVERLAP": False}),
-    (wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic",
-                 P_BARRIER="turn", O_STORE="tma", TILE_OVERLAP=True), {"TILE_OVERLAP": False}),
-    (wgmma_point(BLOCK_M=64, STAGES=3, SWIZZLE=64, PERSISTENT=True, SCHEDULER="dynamic",
-                 O_STORE="tma", TILE_OVERLAP=True), {"TILE_OVERLAP": False}),
-    (wgmma_point(BLOCK_M=192, PINGPONG=True, PERSISTENT=True, PACK_GQA=True, TILE_OVERLAP=True),
-     {"TILE_OVERLAP": False}),
-    (wgmma_point(BLOCK_N=96, SWIZZLE=32, P_FROM="smem", PERSISTENT=True, SCHEDULER="dynamic",
-                 TILE_OVERLAP=True), {"TILE_OVERLAP": False}),
 ]
 # Many more tiles than SMs: a persistent block runs tile after tile (its Q, P and O reused).
 MANY_TILES = (4, 64, 8, 700, 700, "bhsd")
