@@ -78,16 +78,21 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
         if not args.json:
             status = (f"regs {result.registers:3d}  spill {result.spill_bytes:4d}  "
                       f"smem {result.smem_bytes:6d}" if result.ok else f"ERROR {result.error}")
+            if result.serialized:
+                status += f"  wgmma serialized ({result.serialized})"
             print(f"[{i + 1:3d}/{len(cands)}] {result.seconds:5.2f}s  {status}  {cand.identity}")
     ok = sum(r["ok"] for r in reports)
+    serialized = sum(bool(r["serialized"]) for r in reports)
     summary = {"arch": arch.name, "compiler": nvrtc_version(), "candidates": len(reports),
-               "compiled": ok, "failed": len(reports) - ok, "no_point": empty,
+               "compiled": ok, "failed": len(reports) - ok, "serialized": serialized,
+               "no_point": empty,
                "seconds": round(time.perf_counter() - start, 2)}
     if args.json:
         json.dump({"summary": summary, "candidates": reports}, sys.stdout, indent=1)
         print()
     else:
-        print(f"{ok}/{len(reports)} compiled for {arch.name} in {summary['seconds']} s")
+        print(f"{ok}/{len(reports)} compiled for {arch.name} in {summary['seconds']} s"
+              + (f"; {serialized} with wgmma serialized by ptxas" if serialized else ""))
     return 0
 
 

@@ -40,6 +40,10 @@ class CompileResult:
     smem_bytes: int | None = None  # dynamic shared memory the launch reserves
     seconds: float = 0.0
     error: str | None = None
+    # ptxas's code where it serialised the kernel's wgmma instructions ("C7518"): a kernel that
+    # runs correctly, every wgmma waited for before the next (1.25x slower on the H100,
+    # docs/NOTES.md, "TILE_OVERLAP"); None where it did not (or no wgmma).
+    serialized: str | None = None
     log: str = field(default="", repr=False)
     cubin: bytes | None = field(default=None, repr=False)
 
@@ -107,6 +111,15 @@ def nvrtc_version() -> str:
 
 _REGS = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_SERIALIZED = re.compile(r"\((C\d+)\) Potential Performance Loss: wgmma\.mma_async "
+                         r"instructions are serialized")
+
+
+def serialized_code(log: str) -> str | None:
+    """ptxas's code (``C7518``) where its log says it serialised a kernel's wgmma
+    instructions, else None."""
+    found = _SERIALIZED.search(log)
+    return found.group(1) if found else None
 
 
 def compile_source(source: str, arch: Arch, defines: dict[str, int], *, identity: str = "",
@@ -145,7 +158,8 @@ def compile_source(source: str, arch: Arch, defines: dict[str, int], *, identity
         stack_bytes=max(s[0] for s in spills) if spills else None,
         spill_stores=sum(s[1] for s in spills) if spills else None,
         spill_loads=sum(s[2] for s in spills) if spills else None,
-        smem_bytes=smem_bytes, seconds=seconds, log=log, cubin=cubin,
+        smem_bytes=smem_bytes, seconds=seconds,
+        serialized=serialized_code(log), log=log, cubin=cubin,
     )
 
 

@@ -51,10 +51,12 @@ def test_compile_check_json(tmp_path: Path) -> None:
     doc = json.loads(done.stdout)
     assert doc["summary"]["candidates"] == 4
     assert doc["summary"]["compiled"] == 4
+    assert doc["summary"]["serialized"] == 0  # ptxas serialises no wgmma here (none on sm_89)
     families = {c["family"] for c in doc["candidates"]}
     assert families == {"mma", "wmma", "mma_bwd", "decode"}  # every family of every kind, sm_89
     for c in doc["candidates"]:
         assert c["ok"] and c["registers"] > 0 and c["smem_bytes"] <= 99 * 1024
+        assert c["serialized"] is None
 
 
 def test_compile_check_other_head_dims_names_what_admits_none(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ tests or from a user's cache.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 import subprocess
@@ -26,6 +27,7 @@ from evoengine.compile import (
     launcher_options,
     nvrtc_options,
     nvrtc_version,
+    serialized_code,
 )
 from evoengine.render import Candidate, make_candidate, render
 from evoengine.space import SearchSpace, sample
@@ -307,6 +309,42 @@ def test_report_leaves_out_cubin_and_log() -> None:
     assert report["spill_bytes"] == 12
     assert report["registers"] == 64 and report["smem_bytes"] == 1024
     assert report["identity"] == "x" and report["ok"] is True
+
+
+# ptxas's own lines (NVRTC 13.0 and 13.5, sm_90a, 2026-11-28): two that serialised every wgmma
+# of a kernel, and one that only injected a wait.
+SERIALIZED_13_0 = ("ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async "
+                   "instructions are serialized due to program dependence on compiler-inserted "
+                   "WG.DP in divergent path in the function 'attn_fwd'")
+SERIALIZED_13_5 = ("ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async "
+                   "instructions are serialized due to non wgmma instructions defining input "
+                   "registers of a wgmma between start and end of the pipeline stage in the "
+                   "function 'attn_fwd' in line 0")
+INJECTED = ("ptxas info    : (C7517) wgmma.wait_group is injected in around line 54 by compiler "
+            "to allow use of registers defined by GMMA in function 'k'")
+
+
+def test_serialized_wgmma_is_named_by_its_code() -> None:
+    assert serialized_code(f"{INJECTED}\n{SERIALIZED_13_0}\nptxas info : Used 128 registers") \
+        == "C7518"
+    assert serialized_code(SERIALIZED_13_5) == "C7513"
+    assert serialized_code(INJECTED) is None and serialized_code("") is None
+
+
+def test_serialized_survives_the_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached entry says what the compile said: a serialised kernel stays marked."""
+    c = small("mma")
+    real = compile_mod.compile_source
+
+    def marked(*args: object, **kw: object) -> CompileResult:
+        r = real(*args, **kw)  # type: ignore[arg-type]
+        return dataclasses.replace(r, serialized="C7518", log=r.log + "\n" + SERIALIZED_13_0)
+
+    monkeypatch.setattr(compile_mod, "compile_source", marked)
+    first = compile_candidate(c, "sm_80")
+    second = compile_candidate(c, "sm_80")
+    assert first.serialized == second.serialized == "C7518"
+    assert second.log == "" and second.report() == first.report()
 
 
 def test_resource_report_is_parsed_from_the_log() -> None:
