@@ -1,0 +1,129 @@
+"""Clock and power of ours and FlashAttention-4 on the d64 row (issue #19), side by side.
+
+Under ncu the d64 winner takes as many cycles as FA4 (docs/NOTES.md, 2026-11-27), yet times
+about 1% slower. If it draws more power, the GPU clocks it lower: this measures that. For each
+dtype, ours (the row's 2-stage and 3-stage TMA-store points) and FA4 run back to back for
+SECONDS each, twice, over input sets rotated past L2, while `nvidia-smi -lms 50` samples the SM
+clock and the board power; each window's median clock and power, its time per call (events),
+and cycles per call (time x clock) are printed and written to JSON. On the device, with FA4
+installed:
+    python experiments/2026-11-28-wgmma-clocks/clocks.py --json $OUT/clocks.json"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+from evoengine import measure, paths  # noqa: E402
+from evoengine.provenance import header, local_device  # noqa: E402
+from evoengine.render import make_candidate  # noqa: E402
+from evoengine.runtime import Kernel, gpu_arch  # noqa: E402
+from evoengine.space import SearchSpace  # noqa: E402
+from evoengine.workload import Workload  # noqa: E402
+
+SECONDS = 4.0
+POINT = dict(BLOCK_M=192, BLOCK_N=128, SWIZZLE=128, P_FROM="regs", INTRA_WG_OVERLAP=True,
+             PINGPONG=True, PERSISTENT=True, TILE_ORDER="head", SCHEDULER="dynamic",
+             PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q", O_STORE="tma")
+
+
+def run_window(fn, sets, seconds):
+    """Calls fn over the sets for `seconds`; (start, end) wall times and us per call."""
+    torch.cuda.synchronize()
+    start, calls = time.time(), 0
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    while time.time() - start < seconds:
+        for _ in range(20):
+            fn(*sets[calls % len(sets)])
+            calls += 1
+        torch.cuda.synchronize()
+    end.record()
+    torch.cuda.synchronize()
+    return start, time.time(), begin.elapsed_time(end) * 1000 / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    fa4 = measure.fa4_attention()
+    if fa4 is None:
+        raise SystemExit("flash_attn.cute does not import: install FA4 first")
+    arch, sp = gpu_arch(), SearchSpace.load(paths.SPACES / "wgmma.toml")
+    log = Path("/tmp/smi.csv")
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
+                            "--format=csv,noheader,nounits", "-lms", "50"],
+                           stdout=log.open("w"), text=True)
+    windows = []
+    try:
+        for dtype in ("bf16", "fp16"):
+            w = Workload.parse_spec("16,16,2048,64", dtype=dtype)
+            t = torch.bfloat16 if dtype == "bf16" else torch.float16
+            ours = {f"ours-{s}st": Kernel.build(make_candidate(sp, dict(POINT, STAGES=s),
+                                                               w.problem(), arch), arch)
+                    for s in (2, 3)}
+            sets = []
+            for _ in range(3):  # 3 x 256 MB, past the 50 MB L2
+                q, k, v = (torch.randn(16, 2048, 16, 64, device="cuda").to(t) for _ in range(3))
+                sets.append((q, k, v))
+            calls = {name: (lambda q, k, v, kern=kern: kern(q.transpose(1, 2), k.transpose(1, 2),
+                                                             v.transpose(1, 2)))
+                     for name, kern in ours.items()}
+            calls["fa4"] = lambda q, k, v: fa4(q, k, v, causal=False)
+            for fn in calls.values():  # warm-up, compile FA4
+                for s in sets:
+                    fn(*s)
+            for rnd in range(2):
+                for name, fn in calls.items():
+                    a, b, us = run_window(fn, sets, SECONDS)
+                    windows.append({"dtype": dtype, "round": rnd, "contender": name,
+                                    "start": a, "end": b, "us_per_call": us})
+                    time.sleep(1.0)
+    finally:
+        smi.terminate()
+        smi.wait()
+    samples = []
+    for line in log.read_text().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            stamp = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
+            stamp += float("0." + parts[0].split(".")[1]) if "." in parts[0] else 0.0
+            samples.append((stamp, float(parts[1]), float(parts[2])))
+        except (ValueError, IndexError):
+            continue
+    rows = []
+    for wdw in windows:
+        # the window's middle 80%: the clock settles after a switch of kernel
+        lo = wdw["start"] + 0.1 * (wdw["end"] - wdw["start"])
+        hi = wdw["end"] - 0.1 * (wdw["end"] - wdw["start"])
+        inside = [s for s in samples if lo <= s[0] <= hi]
+        mhz = statistics.median(s[1] for s in inside) if inside else None
+        watts = statistics.median(s[2] for s in inside) if inside else None
+        row = {**{k: wdw[k] for k in ("dtype", "round", "contender")},
+               "us_per_call": round(wdw["us_per_call"], 2), "samples": len(inside),
+               "sm_mhz": mhz, "power_w": watts,
+               "mcycles_per_call": round(wdw["us_per_call"] * mhz / 1e6, 4) if mhz else None}
+        rows.append(row)
+        print(f"{row['dtype']} r{row['round']} {row['contender']:9} {row['us_per_call']:8.1f} us"
+              f"  {mhz} MHz  {watts} W  {row['mcycles_per_call']} Mcycles  ({len(inside)})",
+              flush=True)
+    if args.json:
+        doc = {**header(**local_device(), method=(
+            f"each contender called back to back for {SECONDS} s over 3 input sets of 256 MB, "
+            "two rounds in turn; nvidia-smi clocks.sm and power.draw every 50 ms, the median "
+            "over each window's middle 80%; time per call from CUDA events over the window")),
+               "rows": rows}
+        args.json.write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
