@@ -7,7 +7,9 @@ SECONDS each, twice, over input sets rotated past L2, while `nvidia-smi -lms 50`
 clock and the board power; each window's median clock and power, its time per call (events),
 and cycles per call (time x clock) are printed and written to JSON. On the device, with FA4
 installed:
-    python experiments/2026-11-28-wgmma-clocks/clocks.py --json $OUT/clocks.json"""
+    python experiments/2026-11-28-wgmma-clocks/clocks.py --json $OUT/clocks.json
+(--shape 2,32,8192,128: the d128 row's winner instead; FA4 is left out where it does not
+import.)"""
 
 import argparse
 import json
@@ -33,6 +35,8 @@ SECONDS = 4.0
 POINT = dict(BLOCK_M=192, BLOCK_N=128, SWIZZLE=128, P_FROM="regs", INTRA_WG_OVERLAP=True,
              PINGPONG=True, PERSISTENT=True, TILE_ORDER="head", SCHEDULER="dynamic",
              PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q", O_STORE="tma")
+# d128 (--shape 2,32,8192,128): the bf16 row's winner, P and O through the P tile, static.
+POINT_D128 = dict(POINT, P_FROM="smem", P_BARRIER="turn", O_STAGE="p", SCHEDULER="static")
 
 
 def run_window(fn, sets, seconds):
@@ -54,10 +58,11 @@ def run_window(fn, sets, seconds):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--shape", default="16,16,2048,64", help="B,H,S,D (D 64 or 128)")
     args = ap.parse_args()
-    fa4 = measure.fa4_attention()
-    if fa4 is None:
-        raise SystemExit("flash_attn.cute does not import: install FA4 first")
+    b, h, seq, d = map(int, args.shape.split(","))
+    point = POINT if d == 64 else POINT_D128
+    fa4 = measure.fa4_attention()  # timed where it imports
     arch, sp = gpu_arch(), SearchSpace.load(paths.SPACES / "wgmma.toml")
     log = Path("/tmp/smi.csv")
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
@@ -66,27 +71,28 @@ def main() -> None:
     windows = []
     try:
         for dtype in ("bf16", "fp16"):
-            w = Workload.parse_spec("16,16,2048,64", dtype=dtype)
+            w = Workload.parse_spec(args.shape, dtype=dtype)
             t = torch.bfloat16 if dtype == "bf16" else torch.float16
-            ours = {f"ours-{s}st": Kernel.build(make_candidate(sp, dict(POINT, STAGES=s),
+            ours = {f"ours-{s}st": Kernel.build(make_candidate(sp, dict(point, STAGES=s),
                                                                w.problem(), arch), arch)
-                    for s in (2, 3)}
+                    for s in ((2, 3) if d == 64 else (2,))}
             sets = []
-            for _ in range(3):  # 3 x 256 MB, past the 50 MB L2
-                q, k, v = (torch.randn(16, 2048, 16, 64, device="cuda").to(t) for _ in range(3))
+            for _ in range(3):  # 3 x 256 MB at d64, past the 50 MB L2
+                q, k, v = (torch.randn(b, seq, h, d, device="cuda").to(t) for _ in range(3))
                 sets.append((q, k, v))
             calls = {name: (lambda q, k, v, kern=kern: kern(q.transpose(1, 2), k.transpose(1, 2),
                                                              v.transpose(1, 2)))
                      for name, kern in ours.items()}
-            calls["fa4"] = lambda q, k, v: fa4(q, k, v, causal=False)
+            if fa4 is not None:
+                calls["fa4"] = lambda q, k, v: fa4(q, k, v, causal=False)
             for fn in calls.values():  # warm-up, compile FA4
                 for s in sets:
                     fn(*s)
             for rnd in range(2):
                 for name, fn in calls.items():
-                    a, b, us = run_window(fn, sets, SECONDS)
+                    t0, t1, us = run_window(fn, sets, SECONDS)
                     windows.append({"dtype": dtype, "round": rnd, "contender": name,
-                                    "start": a, "end": b, "us_per_call": us})
+                                    "start": t0, "end": t1, "us_per_call": us})
                     time.sleep(1.0)
     finally:
         smi.terminate()
@@ -117,7 +123,7 @@ def main() -> None:
               f"  {mhz} MHz  {watts} W  {row['mcycles_per_call']} Mcycles  ({len(inside)})",
               flush=True)
     if args.json:
-        doc = {**header(**local_device(), method=(
+        doc = {**header(**local_device(), shape=args.shape, method=(
             f"each contender called back to back for {SECONDS} s over 3 input sets of 256 MB, "
             "two rounds in turn; nvidia-smi clocks.sm and power.draw every 50 ms, the median "
             "over each window's middle 80%; time per call from CUDA events over the window")),
