@@ -41,7 +41,7 @@ class CompileResult:
     seconds: float = 0.0
     error: str | None = None
     # ptxas's code where it serialised the kernel's wgmma instructions ("C7518"): a kernel that
-    # runs correctly, every wgmma waited for before the next (1.25x slower on the H100,
+    # runs correctly, every wgmma waited for before the next (1.2-1.3x slower on the H100,
     # docs/NOTES.md, "TILE_OVERLAP"); None where it did not (or no wgmma).
     serialized: str | None = None
     log: str = field(default="", repr=False)
