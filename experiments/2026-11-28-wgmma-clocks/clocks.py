@@ -59,6 +59,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--shape", default="16,16,2048,64", help="B,H,S,D (D 64 or 128)")
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--block-m", default="",
+                    help="d128: time these tile heights instead (e.g. 128,192: the same point, O "
+                         "staged where it fits, so that only the L2 bytes a call differ much)")
     args = ap.parse_args()
     b, h, seq, d = map(int, args.shape.split(","))
     point = POINT if d == 64 else POINT_D128
@@ -70,12 +74,17 @@ def main() -> None:
                            stdout=log.open("w"), text=True)
     windows = []
     try:
-        for dtype in ("bf16", "fp16"):
+        for dtype in args.dtypes.split(","):
             w = Workload.parse_spec(args.shape, dtype=dtype)
             t = torch.bfloat16 if dtype == "bf16" else torch.float16
-            ours = {f"ours-{s}st": Kernel.build(make_candidate(sp, dict(point, STAGES=s),
-                                                               w.problem(), arch), arch)
-                    for s in ((2, 3) if d == 64 else (2,))}
+            if args.block_m:
+                points = {f"ours-m{m}": dict(point, STAGES=2, BLOCK_M=int(m), O_STAGE="own_or_q")
+                          for m in args.block_m.split(",")}
+            else:
+                points = {f"ours-{s}st": dict(point, STAGES=s)
+                          for s in ((2, 3) if d == 64 else (2,))}
+            ours = {name: Kernel.build(make_candidate(sp, p, w.problem(), arch), arch)
+                    for name, p in points.items()}
             sets = []
             for _ in range(3):  # 3 x 256 MB at d64, past the 50 MB L2
                 q, k, v = (torch.randn(b, seq, h, d, device="cuda").to(t) for _ in range(3))
