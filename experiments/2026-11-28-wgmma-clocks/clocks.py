@@ -1,4 +1,5 @@
-"""Clock and power of ours and FlashAttention-4 on the d64 row (issue #19), side by side.
+"""Clock and power of ours and FlashAttention-4 on a row without the mask (issue #19), side by
+side: the d64 row by default.
 
 Under ncu the d64 winner takes as many cycles as FA4 (docs/NOTES.md, 2026-11-27), yet times
 about 1% slower. If it draws more power, the GPU clocks it lower: this measures that. For each
@@ -8,8 +9,8 @@ clock and the board power; each window's median clock and power, its time per ca
 and cycles per call (time x clock) are printed and written to JSON. On the device, with FA4
 installed:
     python experiments/2026-11-28-wgmma-clocks/clocks.py --json $OUT/clocks.json
-(--shape 2,32,8192,128: the d128 row's winner instead; FA4 is left out where it does not
-import.)"""
+(--shape 2,32,8192,128: the d128 row's winner instead, --block-m 128,192 that point at two
+tile heights; --dtypes bf16 one dtype; FA4 is left out where it does not import.)"""
 
 import argparse
 import json
@@ -133,7 +134,7 @@ def main() -> None:
               flush=True)
     if args.json:
         doc = {**header(**local_device(), shape=args.shape, method=(
-            f"each contender called back to back for {SECONDS} s over 3 input sets of 256 MB, "
+            f"each contender called back to back for {SECONDS} s over 3 input sets past L2, "
             "two rounds in turn; nvidia-smi clocks.sm and power.draw every 50 ms, the median "
             "over each window's middle 80%; time per call from CUDA events over the window")),
                "rows": rows}
