@@ -10,7 +10,12 @@ and cycles per call (time x clock) are printed and written to JSON. On the devic
 installed:
     python experiments/2026-11-28-wgmma-clocks/clocks.py --json $OUT/clocks.json
 (--shape 2,32,8192,128: the d128 row's winner instead, --block-m 128,192 that point at two
-tile heights; --dtypes bf16 one dtype; FA4 is left out where it does not import.)"""
+tile heights; --dtypes bf16 one dtype; FA4 is left out where it does not import.)
+--kv-reads 1,2,3 prices the bytes from L2 instead: the point's 2-stage build with every K and V
+tile loaded that many times by its producer (the same box into the same slot, the full barrier
+expecting all of it), written into the rendered source, not the template. The extra loads
+cross L2 and the crossbar and are written to shared memory again; nothing else changes, and the
+output must stay bit-identical to one read's, which is checked first."""
 
 import argparse
 import json
@@ -26,8 +31,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from evoengine import measure, paths  # noqa: E402
+from evoengine.compile import compile_source  # noqa: E402
 from evoengine.provenance import header, local_device  # noqa: E402
-from evoengine.render import make_candidate  # noqa: E402
+from evoengine.render import make_candidate, render  # noqa: E402
 from evoengine.runtime import Kernel, gpu_arch  # noqa: E402
 from evoengine.space import SearchSpace  # noqa: E402
 from evoengine.workload import Workload  # noqa: E402
@@ -38,6 +44,34 @@ POINT = dict(BLOCK_M=192, BLOCK_N=128, SWIZZLE=128, P_FROM="regs", INTRA_WG_OVER
              PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q", O_STORE="tma")
 # d128 (--shape 2,32,8192,128): the bf16 row's winner, P and O through the P tile, static.
 POINT_D128 = dict(POINT, P_FROM="smem", P_BARRIER="turn", O_STAGE="p", SCHEDULER="static")
+
+
+# The producer's K and V loads as the template renders them (--kv-reads rewrites them).
+KV_LOADS = ("        mbar::arrive_expect_tx(bars.{x}_full(ring.slot), KVTile::BYTES);\n"
+            "#pragma unroll\n"
+            "        for (int p = 0; p < KVTile::PANELS; ++p)\n")
+KV_LOADS_REPEATED = (
+    "        mbar::arrive_expect_tx(bars.{x}_full(ring.slot), KVTile::BYTES * {n});\n"
+    "#pragma unroll\n"
+    "        for (int r_ = 0; r_ < {n}; ++r_)\n"
+    "#pragma unroll\n"
+    "        for (int p = 0; p < KVTile::PANELS; ++p)\n")
+
+
+def kv_read_kernel(candidate, arch, reads: int) -> Kernel:
+    """The candidate with each K and V tile loaded `reads` times (see the docstring)."""
+    source = render(candidate)
+    for x in "kv":
+        old = KV_LOADS.format(x=x)
+        if source.count(old) != 1:
+            raise SystemExit(f"clocks: the {x.upper()} loads are not where --kv-reads expects")
+        source = source.replace(old, KV_LOADS_REPEATED.format(x=x, n=reads))
+    compiled = compile_source(source, arch, candidate.defines(arch),
+                              identity=f"{candidate.identity}@kv{reads}",
+                              smem_bytes=candidate.smem_bytes)
+    if not compiled.ok:
+        raise SystemExit(f"clocks: {candidate.identity} with {reads} reads: {compiled.error}")
+    return Kernel(candidate, compiled)
 
 
 def run_window(fn, sets, seconds):
@@ -64,6 +98,9 @@ def main() -> None:
     ap.add_argument("--block-m", default="",
                     help="d128: time these tile heights instead (e.g. 128,192: the same point, O "
                          "staged where it fits, so that only the L2 bytes a call differ much)")
+    ap.add_argument("--kv-reads", default="",
+                    help="time the 2-stage point with each K/V tile loaded this many times "
+                         "(e.g. 1,2,3), after checking the outputs match one read's")
     args = ap.parse_args()
     b, h, seq, d = map(int, args.shape.split(","))
     point = POINT if d == 64 else POINT_D128
@@ -84,12 +121,24 @@ def main() -> None:
             else:
                 points = {f"ours-{s}st": dict(point, STAGES=s)
                           for s in ((2, 3) if d == 64 else (2,))}
-            ours = {name: Kernel.build(make_candidate(sp, p, w.problem(), arch), arch)
-                    for name, p in points.items()}
             sets = []
             for _ in range(3):  # 3 x 256 MB at d64, past the 50 MB L2
                 q, k, v = (torch.randn(b, seq, h, d, device="cuda").to(t) for _ in range(3))
                 sets.append((q, k, v))
+            if args.kv_reads:
+                cand = make_candidate(sp, dict(point, STAGES=2), w.problem(), arch)
+                ours = {f"ours-kv{n}": kv_read_kernel(cand, arch, int(n))
+                        for n in args.kv_reads.split(",")}
+                q, k, v = (x.transpose(1, 2) for x in sets[0])
+                outs = {name: kern(q, k, v) for name, kern in ours.items()}
+                first = next(iter(outs.values()))
+                for name, out in outs.items():
+                    if out.isnan().any() or not torch.equal(out, first):
+                        raise SystemExit(f"clocks: {name}'s output differs from one read's")
+                print(f"{dtype}: {len(outs)} builds, outputs bit-identical", flush=True)
+            else:
+                ours = {name: Kernel.build(make_candidate(sp, p, w.problem(), arch), arch)
+                        for name, p in points.items()}
             calls = {name: (lambda q, k, v, kern=kern: kern(q.transpose(1, 2), k.transpose(1, 2),
                                                              v.transpose(1, 2)))
                      for name, kern in ours.items()}
