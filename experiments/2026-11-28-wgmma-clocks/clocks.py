@@ -15,7 +15,9 @@ tile heights; --dtypes bf16 one dtype; FA4 is left out where it does not import.
 tile loaded that many times by its producer (the same box into the same slot, the full barrier
 expecting all of it), written into the rendered source, not the template. The extra loads
 cross L2 and the crossbar and are written to shared memory again; nothing else changes, and the
-output must stay bit-identical to one read's, which is checked first."""
+output must stay bit-identical to one read's, which is checked first.
+--multicast times the 2-stage point dealt statically with and without KV_MULTICAST (blocks in
+pairs sharing each K/V block's loads), and the dynamic point the d64 row ships.)"""
 
 import argparse
 import json
@@ -41,7 +43,8 @@ from evoengine.workload import Workload  # noqa: E402
 SECONDS = 4.0
 POINT = dict(BLOCK_M=192, BLOCK_N=128, SWIZZLE=128, P_FROM="regs", INTRA_WG_OVERLAP=True,
              PINGPONG=True, PERSISTENT=True, TILE_ORDER="head", SCHEDULER="dynamic",
-             PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q", O_STORE="tma")
+             PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q", O_STORE="tma",
+             KV_MULTICAST=False)
 # d128 (--shape 2,32,8192,128): the bf16 row's winner, P and O through the P tile, static.
 POINT_D128 = dict(POINT, P_FROM="smem", P_BARRIER="turn", O_STAGE="p", SCHEDULER="static")
 
@@ -101,11 +104,13 @@ def main() -> None:
     ap.add_argument("--kv-reads", default="",
                     help="time the 2-stage point with each K/V tile loaded this many times "
                          "(e.g. 1,2,3), after checking the outputs match one read's")
+    ap.add_argument("--multicast", action="store_true",
+                    help="time the 2-stage static point with and without KV_MULTICAST")
     args = ap.parse_args()
     b, h, seq, d = map(int, args.shape.split(","))
     point = POINT if d == 64 else POINT_D128
     fa4 = measure.fa4_attention()  # timed where it imports
-    arch, sp = gpu_arch(), SearchSpace.load(paths.SPACES / "wgmma.toml")
+    arch, sp = gpu_arch(), SearchSpace.load(paths.SPACES / "wgmma.toml").with_untested()
     log = Path("/tmp/smi.csv")
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
                             "--format=csv,noheader,nounits", "-lms", "50"],
@@ -115,7 +120,12 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             w = Workload.parse_spec(args.shape, dtype=dtype)
             t = torch.bfloat16 if dtype == "bf16" else torch.float16
-            if args.block_m:
+            if args.multicast:
+                static = dict(point, STAGES=2, SCHEDULER="static")
+                points = {"ours-static": static, "ours-pair": dict(static, KV_MULTICAST=True)}
+                if d == 64:
+                    points["ours-dynamic"] = dict(point, STAGES=2)
+            elif args.block_m:
                 points = {f"ours-m{m}": dict(point, STAGES=2, BLOCK_M=int(m), O_STAGE="own_or_q")
                           for m in args.block_m.split(",")}
             else:
