@@ -277,7 +277,15 @@ struct SwizzledTile {
 // (mma_async) pastes the constant on as an immediate: no 64-bit arithmetic per k-step, and no
 // constant rematerialised in a register for each wgmma. Shared addresses are below 2^18 bytes
 // (228 KB on sm_90), so the start address needs no mask and sums of offsets never carry out of
-// bits 0-13 into the leading offset.
+// bits 0-13 into the leading offset; except in a kernel launched in clusters, whose blocks see
+// their shared memory at rank << 24 (cvta's addresses, which TMA and the mbarriers take as
+// they are): such a kernel defines EVO_CLUSTER_SMEM, and the descriptors keep bits 0-17.
+#ifdef EVO_CLUSTER_SMEM
+__device__ __forceinline__ u32 desc_addr(u32 addr) { return addr & 0x3FFFFu; }
+#else
+__device__ __forceinline__ u32 desc_addr(u32 addr) { return addr; }
+#endif
+
 template <class Tile>
 struct KMajor {  // Q, K, P: rows are M or N, the reduction runs along the row
   // The leading offset is unused for swizzled K-major layouts (set to 16 bytes); SBO steps
@@ -287,7 +295,7 @@ struct KMajor {  // Q, K, P: rows are M or N, the reduction runs along the row
   // the tile's descriptor plus the slice's offset in 16-byte units, a constant once loops are
   // unrolled.
   __device__ static __forceinline__ u32 lo(u32 tile, int k) {
-    return (tile >> 4) + ((16 >> 4) << 16) +
+    return (desc_addr(tile) >> 4) + ((16 >> 4) << 16) +
            (((k / Tile::PANEL) * Tile::PANEL_BYTES + (k % Tile::PANEL) * 2) >> 4);
   }
 };
@@ -297,7 +305,8 @@ struct MNMajor {  // V as the B of P.V: rows are the reduction, N runs along the
   static constexpr u64 HI = KMajor<Tile>::HI;
   // The slice of rows [k, k + 16).
   __device__ static __forceinline__ u32 lo(u32 tile, int k) {
-    return (tile >> 4) + ((u32)(Tile::PANEL_BYTES >> 4) << 16) + ((k * Tile::PANEL * 2) >> 4);
+    return (desc_addr(tile) >> 4) + ((u32)(Tile::PANEL_BYTES >> 4) << 16) +
+           ((k * Tile::PANEL * 2) >> 4);
   }
 };
 
