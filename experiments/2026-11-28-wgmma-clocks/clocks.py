@@ -17,7 +17,9 @@ expecting all of it), written into the rendered source, not the template. The ex
 cross L2 and the crossbar and are written to shared memory again; nothing else changes, and the
 output must stay bit-identical to one read's, which is checked first.
 --multicast times the 2-stage point dealt statically with and without KV_MULTICAST (blocks in
-pairs sharing each K/V block's loads), and the dynamic point the d64 row ships.)"""
+pairs sharing each K/V block's loads), and the dynamic point the d64 row ships; --stages 2,3,4
+at those stage counts, with --coupled also the pair loading its own halves (no multicast: the
+pair's coupling alone, written into the rendered source).)"""
 
 import argparse
 import json
@@ -77,6 +79,25 @@ def kv_read_kernel(candidate, arch, reads: int) -> Kernel:
     return Kernel(candidate, compiled)
 
 
+# KV_MULTICAST's shared loads, which --coupled turns off (each block loads both halves itself,
+# the pair still releasing every slot to both producers).
+SHARED_LOADS = "    if (shared) {\n      const int r = cluster::rank();"
+
+
+def coupled_kernel(candidate, arch) -> Kernel:
+    """The KV_MULTICAST candidate without its multicast: the pair's coupling alone."""
+    source = render(candidate)
+    if source.count(SHARED_LOADS) != 1:
+        raise SystemExit("clocks: the shared loads are not where --coupled expects")
+    source = source.replace(SHARED_LOADS, SHARED_LOADS.replace("(shared)", "(false)"))
+    compiled = compile_source(source, arch, candidate.defines(arch),
+                              identity=f"{candidate.identity}@coupled",
+                              smem_bytes=candidate.smem_bytes)
+    if not compiled.ok:
+        raise SystemExit(f"clocks: {candidate.identity} coupled: {compiled.error}")
+    return Kernel(candidate, compiled)
+
+
 def run_window(fn, sets, seconds):
     """Calls fn over the sets for `seconds`; (start, end) wall times and us per call."""
     torch.cuda.synchronize()
@@ -106,6 +127,9 @@ def main() -> None:
                          "(e.g. 1,2,3), after checking the outputs match one read's")
     ap.add_argument("--multicast", action="store_true",
                     help="time the 2-stage static point with and without KV_MULTICAST")
+    ap.add_argument("--stages", default="2", help="--multicast: these stage counts")
+    ap.add_argument("--coupled", action="store_true",
+                    help="--multicast: also each pair with its multicast turned off")
     args = ap.parse_args()
     b, h, seq, d = map(int, args.shape.split(","))
     point = POINT if d == 64 else POINT_D128
@@ -120,11 +144,17 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             w = Workload.parse_spec(args.shape, dtype=dtype)
             t = torch.bfloat16 if dtype == "bf16" else torch.float16
+            coupled = {}
             if args.multicast:
-                static = dict(point, STAGES=2, SCHEDULER="static")
-                points = {"ours-static": static, "ours-pair": dict(static, KV_MULTICAST=True)}
-                if d == 64:
-                    points["ours-dynamic"] = dict(point, STAGES=2)
+                points = {}
+                for st in map(int, args.stages.split(",")):
+                    static = dict(point, STAGES=st, SCHEDULER="static")
+                    points[f"static-{st}st"] = static
+                    points[f"pair-{st}st"] = dict(static, KV_MULTICAST=True)
+                    if args.coupled:
+                        coupled[f"coupled-{st}st"] = dict(static, KV_MULTICAST=True)
+                    if d == 64:
+                        points[f"dynamic-{st}st"] = dict(point, STAGES=st)
             elif args.block_m:
                 points = {f"ours-m{m}": dict(point, STAGES=2, BLOCK_M=int(m), O_STAGE="own_or_q")
                           for m in args.block_m.split(",")}
@@ -149,6 +179,8 @@ def main() -> None:
             else:
                 ours = {name: Kernel.build(make_candidate(sp, p, w.problem(), arch), arch)
                         for name, p in points.items()}
+                ours.update({name: coupled_kernel(make_candidate(sp, p, w.problem(), arch), arch)
+                             for name, p in coupled.items()})
             calls = {name: (lambda q, k, v, kern=kern: kern(q.transpose(1, 2), k.transpose(1, 2),
                                                              v.transpose(1, 2)))
                      for name, kern in ours.items()}
