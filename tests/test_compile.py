@@ -267,7 +267,7 @@ def test_cache_names_a_long_identity_by_its_hash(cache: Path,
     point = dict(BLOCK_M=192, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="smem",
                  INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head",
                  SCHEDULER="dynamic", PACK_GQA=True, P_BARRIER="turn", O_STAGE="own_or_q",
-                 O_STORE="threads", KV_MULTICAST=False)
+                 O_STORE="threads")
     long = make_candidate(sp, point, problem, get_arch("sm_90a"))
     name = compile_mod._cache_path(long, get_arch("sm_90a")).name
     assert len(long.identity) > compile_mod.CACHE_NAME_MAX

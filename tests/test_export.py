@@ -418,8 +418,7 @@ def test_a_store_from_before_a_parameter_was_added_exports(
     old_identity = make_identity("wgmma", problem, best.params)  # as the replay stores it
     space = SearchSpace.load(paths.SPACES / "wgmma.toml")
     legacy = {"TILE_ORDER": "head", "SCHEDULER": "static", "PACK_GQA": False,
-              "P_BARRIER": "warpgroup", "O_STAGE": "own_or_q", "O_STORE": "threads",
-              "KV_MULTICAST": False}
+              "P_BARRIER": "warpgroup", "O_STAGE": "own_or_q", "O_STORE": "threads"}
     assert space.legacy == legacy
     today = make_candidate(space, {**best.params, **legacy}, problem, ARCH)
     other = Workload(2, 16, 4096, 128, causal=True)

@@ -234,8 +234,7 @@ def test_out_of_domain_and_missing_parameters_are_explained() -> None:
 LEGACY = {
     "mma": {"LAZY_RESCALE": False, "MIN_BLOCKS": 1, "PIPELINE": "split"},
     "wgmma": {"TILE_ORDER": "head", "SCHEDULER": "static", "PACK_GQA": False,
-              "P_BARRIER": "warpgroup", "O_STAGE": "own_or_q", "O_STORE": "threads",
-              "KV_MULTICAST": False},
+              "P_BARRIER": "warpgroup", "O_STAGE": "own_or_q", "O_STORE": "threads"},
     "wmma": {},
 }
 WGMMA_BEFORE = dict(BLOCK_M=128, BLOCK_N=96, STAGES=2, SWIZZLE=128, P_FROM="regs",
@@ -251,12 +250,12 @@ def test_complete_fills_legacy_values_in_declared_order() -> None:
     space = shipped("wgmma")
     sm90 = get_arch("sm_90a")
     assert space.violations(WGMMA_BEFORE, WGMMA_CAUSAL, sm90) == [
-        "missing parameters ['KV_MULTICAST', 'O_STAGE', 'O_STORE', 'PACK_GQA', 'P_BARRIER', "
-        "'SCHEDULER', 'TILE_ORDER']"]
+        "missing parameters ['O_STAGE', 'O_STORE', 'PACK_GQA', 'P_BARRIER', 'SCHEDULER', "
+        "'TILE_ORDER']"]
     done = space.complete(WGMMA_BEFORE)
     assert done == {**WGMMA_BEFORE, "TILE_ORDER": "head", "SCHEDULER": "static",
                     "PACK_GQA": False, "P_BARRIER": "warpgroup", "O_STAGE": "own_or_q",
-                    "O_STORE": "threads", "KV_MULTICAST": False}
+                    "O_STORE": "threads"}
     assert list(done) == list(space.parameters)
     assert space.violations(done, WGMMA_CAUSAL, sm90) == []
     # A stored value wins over the legacy one; a complete point comes back as it was.

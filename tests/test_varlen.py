@@ -28,7 +28,7 @@ MMA_POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", Q
 WGMMA_POINT = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
                    INTRA_WG_OVERLAP=True, PINGPONG=True, PERSISTENT=True, TILE_ORDER="head",
                    SCHEDULER="dynamic", PACK_GQA=False, P_BARRIER="warpgroup",
-                   O_STAGE="own_or_q", O_STORE="threads", KV_MULTICAST=False)
+                   O_STAGE="own_or_q", O_STORE="threads")
 
 
 def issue_workload(**kw: object) -> VarlenWorkload:

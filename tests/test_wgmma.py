@@ -46,7 +46,7 @@ SM90 = get_arch("sm_90a")
 BASE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
             INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
             SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup", O_STAGE="own_or_q",
-            O_STORE="threads", KV_MULTICAST=False)
+            O_STORE="threads")
 HD64 = {"HEAD_DIM": 64, "DTYPE": "fp16", "CAUSAL": False}
 HD128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "CAUSAL": True}
 SPREAD = 16  # compiled points: two per default problem
@@ -106,8 +106,7 @@ def test_space_targets_sm90a_only() -> None:
     assert sp.archs == ("sm_90a",)
     assert list(sp.parameters) == ["BLOCK_M", "BLOCK_N", "STAGES", "SWIZZLE", "P_FROM",
                                    "INTRA_WG_OVERLAP", "PINGPONG", "PERSISTENT", "TILE_ORDER",
-                                   "SCHEDULER", "PACK_GQA", "P_BARRIER", "O_STAGE", "O_STORE",
-                                   "KV_MULTICAST"]
+                                   "SCHEDULER", "PACK_GQA", "P_BARRIER", "O_STAGE", "O_STORE"]
     for arch in ("sm_80", "sm_86", "sm_89"):
         target = get_arch(arch)
         assert sp.violations(BASE, HD64, target) == [f"family wgmma does not target {arch}"]
@@ -226,51 +225,6 @@ def test_o_store_tma_builds_at_the_winners_tiles(tile: str) -> None:
             assert ops.count("UTMASTG") == (0 if extra else panels), c.identity
 
 
-@pytest.mark.parametrize("tile", ["d64", "d128"])
-def test_kv_multicast_builds_at_the_winners_tiles(tile: str) -> None:
-    """KV_MULTICAST at the winners' tiles (dealt statically): clusters of two compiled in, no
-    spill or serialised wgmma, and the SASS multicasts K and V (one UTMALDG.MULTICAST per panel
-    each, beside the plain loads of a pair on two heads); the ragged build of the same point is
-    its twin's source (no cluster, no multicast), as its launcher expects."""
-    sp = space().with_untested()
-    point = {**BASE, "BLOCK_M": 192, "PINGPONG": True, "PERSISTENT": True, "O_STORE": "tma",
-             "KV_MULTICAST": True}
-    problem = {**HD64, "DTYPE": "bf16"}
-    if tile == "d128":
-        problem = {**HD128, "CAUSAL": False}
-        point.update(P_FROM="smem", P_BARRIER="turn", O_STAGE="p")
-    c = make_candidate(sp, point, problem, SM90)
-    source = render(c)
-    assert "__cluster_dims__(2, 1, 1)" in source and "bool KV_MULTICAST = true;" in source
-    r = compile_source(source, SM90, c.defines(SM90), identity=c.identity,
-                       smem_bytes=c.smem_bytes)
-    check_compiled(c, r)
-    if CUOBJDUMP is not None:
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(r.cubin or b"")
-            f.flush()
-            sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True,
-                                  check=True).stdout
-        panels = int(problem["HEAD_DIM"]) * 2 // 128
-        assert sass.count("UTMALDG.4D.MULTICAST") == 2 * panels, c.identity
-    ragged, twin = (render(make_candidate(sp, {**point, "KV_MULTICAST": mc},
-                                          {**problem, "VARLEN": True}, SM90)).splitlines()
-                    for mc in (True, False))
-    assert ragged[1:] == twin[1:] and ragged[0] != twin[0]  # the identity line alone differs
-
-
-def test_kv_multicast_is_full_tiles_dealt_statically() -> None:
-    sp = space().with_untested()
-    pair = {**BASE, "PERSISTENT": True, "KV_MULTICAST": True}
-    assert sp.violations(pair, HD64, SM90) == []
-    for point, problem in (({**pair, "SCHEDULER": "dynamic"}, HD64), (pair, HD128)):
-        assert sp.violations(point, problem, SM90) == [
-            "a multicast pair walks the same key blocks in step: full tiles, dealt statically "
-            "(not KV_MULTICAST or (not CAUSAL and SCHEDULER == 'static'))"]
-    assert space().violations(pair, HD64, SM90) == [
-        "KV_MULTICAST=True not in (False,)"]  # [untested] until its GPU tests pass
-
-
 def test_dynamic_scheduler_adds_its_tile_slot() -> None:
     """The slot naming each tile to the consumers: 16 bytes next to the mbarriers, only when
     dynamic; the kernel static_asserts the same size (compiled below)."""
@@ -303,8 +257,6 @@ CONSTRAINT_CASES = [
      "O_BYTES == 0)", {"O_STAGE": "p"}, HD64, SM90, {"O_STAGE": "p"}),
     ("O_STORE == 'threads' or not PACK_GQA", {"O_STORE": "tma", "PACK_GQA": True}, HD64, SM90,
      {"O_STORE": "tma"}),
-    ("not KV_MULTICAST or (not CAUSAL and SCHEDULER == 'static')", {"KV_MULTICAST": True}, HD128,
-     SM90, {"KV_MULTICAST": True}),
 ]
 
 
@@ -525,16 +477,6 @@ def test_tma_grid() -> None:
     # PACK_GQA, 4 heads per token: 1000 x 4 rows per block of 4 heads
     assert tma_grid(128, seq_q=1000, heads=16, batch=4, persistent=False, sms=132,
                     pack=4) == (32 * 4 * 4, 32 * 4 * 4)
-    # KV_MULTICAST pairs: an even grid (the last pair's second block past an odd count of
-    # tiles), persistent on at most the SMs' even count.
-    assert tma_grid(192, seq_q=2048, heads=1, batch=1, persistent=False, sms=132,
-                    pair=True) == (12, 11)
-    assert tma_grid(192, seq_q=2048, heads=1, batch=1, persistent=True, sms=7,
-                    pair=True) == (6, 11)
-    assert tma_grid(192, seq_q=2048, heads=16, batch=16, persistent=True, sms=132,
-                    pair=True) == (132, 2816)
-    assert tma_grid(64, seq_q=7, heads=3, batch=1, persistent=True, sms=132,
-                    pair=True) == (4, 3)
 
 
 def test_map_geometry_of_packed_heads() -> None:
@@ -601,10 +543,6 @@ def test_tma_params_come_from_the_family() -> None:
     assert tma_params("wgmma", older) == TmaParams(128, 128, True, False)
     stores = make_candidate(space(), {**BASE, "O_STORE": "tma"}, HD128, SM90)
     assert tma_params(stores.family, stores.params) == TmaParams(128, 128, False, o_store=True)
-    pair = make_candidate(space().with_untested(), {**BASE, "KV_MULTICAST": True}, HD64, SM90)
-    params = tma_params(pair.family, pair.params)
-    assert params == TmaParams(128, 128, False, pair=True) and params.kv_rows == 64
-    assert TmaParams(128, 96, True).kv_rows == 96
 
 
 @pytest.mark.parametrize("o_store", ["threads", "tma"])

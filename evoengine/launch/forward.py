@@ -251,8 +251,8 @@ class CudaKernel:
         loaded = self._loaded.get(index) or self.load(index)
         q_map, pack = self._q_map(q, p.heads // p.kv_heads)
         grid, tiles = tma_grid(self.block_m, p.seq_q, p.heads, p.batch, self.tma.persistent,
-                               sm_count(index), pack, self.tma.pair)
-        maps = (q_map, self._tensor_map(k, self.tma.kv_rows), self._tensor_map(v, self.tma.kv_rows))
+                               sm_count(index), pack)
+        maps = (q_map, self._tensor_map(k, self.tma.block_n), self._tensor_map(v, self.tma.block_n))
         os_ = out.stride()
         stream = raw_stream(index)
         with self._lock:  # the argument buffer and the counters: one launch at a time

@@ -37,14 +37,6 @@ class TmaParams(NamedTuple):
     dynamic: bool = False  # persistent blocks draw tiles from a zeroed counter in global memory
     pack: bool = False  # PACK_GQA: a tile's rows are pack_heads(kv_group) heads per token
     o_store: bool = False  # O_STORE "tma": O goes out by TMA stores through a map of its own
-    # KV_MULTICAST: blocks in clusters of two (compiled in), each loading half of a K/V block
-    # (kv_rows) into both; the grid is even. The forward's alone: VARLEN builds ignore it.
-    pair: bool = False
-
-    @property
-    def kv_rows(self) -> int:
-        """Rows of K and V per box: a block's, or half of one where a pair shares its loads."""
-        return self.block_n // 2 if self.pair else self.block_n
 
     def pack_heads(self, kv_group: int) -> int:
         """P, the query heads a tile packs per token: 1, or (PACK_GQA) the lowest set bit of
@@ -63,8 +55,7 @@ def tma_params(family: str, params: Mapping[str, Any]) -> TmaParams | None:
         return None
     return TmaParams(int(params["SWIZZLE"]), int(params["BLOCK_N"]), bool(params["PERSISTENT"]),
                      params.get("SCHEDULER", "static") == "dynamic",
-                     bool(params.get("PACK_GQA", False)), params.get("O_STORE") == "tma",
-                     bool(params.get("KV_MULTICAST", False)))
+                     bool(params.get("PACK_GQA", False)), params.get("O_STORE") == "tma")
 
 
 class TmaGeometry(NamedTuple):
@@ -118,15 +109,10 @@ def tma_geometry(shape: tuple[int, ...], strides: tuple[int, ...], elem_bytes: i
 
 
 def tma_grid(block_m: int, seq_q: int, heads: int, batch: int, persistent: bool,
-             sms: int, pack: int = 1, pair: bool = False) -> tuple[int, int]:
+             sms: int, pack: int = 1) -> tuple[int, int]:
     """(blocks, tiles): one block per tile, or at most one per SM when persistent. With
-    ``pack`` heads per token, a tile's rows are packed: seq_q x pack rows per head block.
-    ``pair`` (clusters of two blocks): an even count, the last pair's second block past the
-    tiles where they are odd, and persistent, at most the SMs' even count."""
+    ``pack`` heads per token, a tile's rows are packed: seq_q x pack rows per head block."""
     tiles = -(-seq_q * pack // block_m) * (heads // pack) * batch
-    if pair:
-        blocks = tiles + tiles % 2
-        return (min(blocks, sms - sms % 2) if persistent else blocks), tiles
     return (min(tiles, sms) if persistent else tiles), tiles
 
 

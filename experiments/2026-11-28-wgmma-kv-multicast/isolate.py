@@ -1,6 +1,7 @@
 """Which parameter of a failing KV_MULTICAST point breaks it: the point, then the point with one
 parameter changed at a time, each through validate.check on a few shapes (ok or max error).
-    python experiments/2026-11-28-wgmma-kv-multicast/isolate.py"""
+    python experiments/2026-11-28-wgmma-kv-multicast/isolate.py
+(On the tree of d4415d8, where the wgmma space had KV_MULTICAST; it was dropped after.)"""
 
 import sys
 from pathlib import Path

@@ -52,13 +52,6 @@ __device__ __forceinline__ u64 global_ns() {
   return t;
 }
 
-// Arrives on a barrier of any block of the cluster (its shared::cluster address, see
-// cluster::map). The default semantics (release at CTA scope), as CUTLASS's cluster barriers:
-// .release.cluster puts a MEMBAR.ALL.GPU before every arrive.
-__device__ __forceinline__ void arrive_cluster(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
 // A wait that lasts this long is a deadlock (a bug): trap, so the launch fails with an error
 // instead of hanging the GPU. Real waits are microseconds.
 constexpr u64 WATCHDOG_NS = 2000000000ull;
@@ -77,32 +70,6 @@ __device__ __forceinline__ void wait(u32 bar, u32 parity) {
 
 }  // namespace mbar
 
-// ---- thread block clusters (sm_90) ----------------------------------------------------------
-
-namespace cluster {
-
-// This block's rank in its cluster.
-__device__ __forceinline__ u32 rank() {
-  u32 r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-
-// The shared::cluster address of `local` (a shared::cta address of this block) in block `rank`.
-__device__ __forceinline__ u32 map(u32 local, u32 rank) {
-  u32 r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(local), "r"(rank));
-  return r;
-}
-
-// Every thread of the cluster that has not exited meets here (release, then acquire).
-// Not .aligned: a warp's threads may arrive from different paths.
-__device__ __forceinline__ void sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-
-}  // namespace cluster
-
 // ---- TMA (bulk tensor copies, global -> shared) -------------------------------------------
 
 namespace tma {
@@ -119,17 +86,6 @@ __device__ __forceinline__ void load_4d(u32 dst, const TmaMap* map, u32 bar, int
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
       "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
-      : "memory");
-}
-
-// load_4d into every block of the cluster that `mask` names (bit i: rank i): the box lands
-// at `dst` and completes its bytes on `bar`, both at the same offsets in each of them.
-__device__ __forceinline__ void load_4d_multicast(u32 dst, const TmaMap* map, u32 bar, int c0,
-                                                  int c1, int c2, int c3, unsigned short mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
-      "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(mask)
       : "memory");
 }
 
@@ -277,15 +233,7 @@ struct SwizzledTile {
 // (mma_async) pastes the constant on as an immediate: no 64-bit arithmetic per k-step, and no
 // constant rematerialised in a register for each wgmma. Shared addresses are below 2^18 bytes
 // (228 KB on sm_90), so the start address needs no mask and sums of offsets never carry out of
-// bits 0-13 into the leading offset; except in a kernel launched in clusters, whose blocks see
-// their shared memory at rank << 24 (cvta's addresses, which TMA and the mbarriers take as
-// they are): such a kernel defines EVO_CLUSTER_SMEM, and the descriptors keep bits 0-17.
-#ifdef EVO_CLUSTER_SMEM
-__device__ __forceinline__ u32 desc_addr(u32 addr) { return addr & 0x3FFFFu; }
-#else
-__device__ __forceinline__ u32 desc_addr(u32 addr) { return addr; }
-#endif
-
+// bits 0-13 into the leading offset.
 template <class Tile>
 struct KMajor {  // Q, K, P: rows are M or N, the reduction runs along the row
   // The leading offset is unused for swizzled K-major layouts (set to 16 bytes); SBO steps
@@ -295,7 +243,7 @@ struct KMajor {  // Q, K, P: rows are M or N, the reduction runs along the row
   // the tile's descriptor plus the slice's offset in 16-byte units, a constant once loops are
   // unrolled.
   __device__ static __forceinline__ u32 lo(u32 tile, int k) {
-    return (desc_addr(tile) >> 4) + ((16 >> 4) << 16) +
+    return (tile >> 4) + ((16 >> 4) << 16) +
            (((k / Tile::PANEL) * Tile::PANEL_BYTES + (k % Tile::PANEL) * 2) >> 4);
   }
 };
@@ -305,8 +253,7 @@ struct MNMajor {  // V as the B of P.V: rows are the reduction, N runs along the
   static constexpr u64 HI = KMajor<Tile>::HI;
   // The slice of rows [k, k + 16).
   __device__ static __forceinline__ u32 lo(u32 tile, int k) {
-    return (desc_addr(tile) >> 4) + ((u32)(Tile::PANEL_BYTES >> 4) << 16) +
-           ((k * Tile::PANEL * 2) >> 4);
+    return (tile >> 4) + ((u32)(Tile::PANEL_BYTES >> 4) << 16) + ((k * Tile::PANEL * 2) >> 4);
   }
 };
 

@@ -26,7 +26,7 @@ def wgmma_point(**override: object) -> dict[str, object]:
     return {**dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, SWIZZLE=128, P_FROM="regs",
                    INTRA_WG_OVERLAP=True, PINGPONG=False, PERSISTENT=False, TILE_ORDER="head",
                    SCHEDULER="static", PACK_GQA=False, P_BARRIER="warpgroup",
-                   O_STAGE="own_or_q", O_STORE="threads", KV_MULTICAST=False), **override}
+                   O_STAGE="own_or_q", O_STORE="threads"), **override}
 
 
 # Hand-picked points spanning each family's parameters (stages, swizzle, Q placement,
@@ -257,11 +257,7 @@ def test_wgmma_packed_gqa(problem: dict, idx: int) -> None:
 # consumer's P tile and hands Q back after the last S GEMM; with and without ping-pong, with the
 # turn barrier, the dynamic scheduler, packed GQA heads. O_STORE "tma": O out by TMA stores of
 # each warp's 16 rows, staged in a buffer of its own, in the P tile or in Q's; one to three
-# consumers, swizzles of 32 to 128 bytes, persistent static and dynamic. KV_MULTICAST: blocks in
-# pairs sharing each K/V block's loads; one to three consumers, boxes of 32 to 88 rows, one block
-# a tile and persistent, packed GQA heads; SHAPES' odd tile counts leave the last pair's second
-# block past the end, and their GQA and MQA heads pair tiles of two heads, sharing one KV head
-# or not.
+# consumers, swizzles of 32 to 128 bytes, persistent static and dynamic.
 VALUE_TWINS = [
     (wgmma_point(BLOCK_M=192, PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic",
                  O_STORE="tma"), {"O_STORE": "threads"}),
@@ -292,17 +288,6 @@ VALUE_TWINS = [
                  SCHEDULER="dynamic", O_STAGE="p"), {"O_STAGE": "own_or_q"}),
     (wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True, PACK_GQA=True,
                  O_STAGE="p"), {"O_STAGE": "own_or_q"}),
-    (wgmma_point(BLOCK_M=192, PINGPONG=True, PERSISTENT=True, O_STORE="tma", KV_MULTICAST=True),
-     {"KV_MULTICAST": False}),
-    (wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True, P_BARRIER="turn",
-                 O_STAGE="p", O_STORE="tma", KV_MULTICAST=True), {"KV_MULTICAST": False}),
-    (wgmma_point(KV_MULTICAST=True), {"KV_MULTICAST": False}),
-    (wgmma_point(BLOCK_M=64, BLOCK_N=96, STAGES=3, SWIZZLE=32, PERSISTENT=True,
-                 KV_MULTICAST=True), {"KV_MULTICAST": False}),
-    (wgmma_point(BLOCK_N=176, SWIZZLE=64, INTRA_WG_OVERLAP=False, PINGPONG=True,
-                 KV_MULTICAST=True), {"KV_MULTICAST": False}),
-    (wgmma_point(BLOCK_M=192, P_FROM="smem", PINGPONG=True, PERSISTENT=True, PACK_GQA=True,
-                 KV_MULTICAST=True), {"KV_MULTICAST": False}),
 ]
 # Many more tiles than SMs: a persistent block runs tile after tile (its Q, P and O reused).
 MANY_TILES = (4, 64, 8, 700, 700, "bhsd")
