@@ -63,20 +63,26 @@ KV_LOADS_REPEATED = (
     "        for (int p = 0; p < KVTile::PANELS; ++p)\n")
 
 
-def kv_read_kernel(candidate, arch, reads: int) -> Kernel:
-    """The candidate with each K and V tile loaded `reads` times (see the docstring)."""
+def patched_kernel(candidate, arch, edits: list[tuple[str, str]], tag: str) -> Kernel:
+    """The candidate built from its rendered source with each (old, new) edit made once."""
     source = render(candidate)
-    for x in "kv":
-        old = KV_LOADS.format(x=x)
+    for old, new in edits:
         if source.count(old) != 1:
-            raise SystemExit(f"clocks: the {x.upper()} loads are not where --kv-reads expects")
-        source = source.replace(old, KV_LOADS_REPEATED.format(x=x, n=reads))
+            raise SystemExit(f"clocks: {tag}: {old.strip()[:60]!r} is not once in the source")
+        source = source.replace(old, new)
     compiled = compile_source(source, arch, candidate.defines(arch),
-                              identity=f"{candidate.identity}@kv{reads}",
+                              identity=f"{candidate.identity}@{tag}",
                               smem_bytes=candidate.smem_bytes)
     if not compiled.ok:
-        raise SystemExit(f"clocks: {candidate.identity} with {reads} reads: {compiled.error}")
+        raise SystemExit(f"clocks: {candidate.identity}@{tag}: {compiled.error}")
     return Kernel(candidate, compiled)
+
+
+def kv_read_kernel(candidate, arch, reads: int) -> Kernel:
+    """The candidate with each K and V tile loaded `reads` times (see the docstring)."""
+    return patched_kernel(candidate, arch, [(KV_LOADS.format(x=x),
+                                             KV_LOADS_REPEATED.format(x=x, n=reads))
+                                            for x in "kv"], f"kv{reads}")
 
 
 # KV_MULTICAST's shared loads, which --coupled turns off (each block loads both halves itself,
@@ -86,16 +92,8 @@ SHARED_LOADS = "    if (shared) {\n      const int r = cluster::rank();"
 
 def coupled_kernel(candidate, arch) -> Kernel:
     """The KV_MULTICAST candidate without its multicast: the pair's coupling alone."""
-    source = render(candidate)
-    if source.count(SHARED_LOADS) != 1:
-        raise SystemExit("clocks: the shared loads are not where --coupled expects")
-    source = source.replace(SHARED_LOADS, SHARED_LOADS.replace("(shared)", "(false)"))
-    compiled = compile_source(source, arch, candidate.defines(arch),
-                              identity=f"{candidate.identity}@coupled",
-                              smem_bytes=candidate.smem_bytes)
-    if not compiled.ok:
-        raise SystemExit(f"clocks: {candidate.identity} coupled: {compiled.error}")
-    return Kernel(candidate, compiled)
+    return patched_kernel(candidate, arch,
+                          [(SHARED_LOADS, SHARED_LOADS.replace("(shared)", "(false)"))], "coupled")
 
 
 def run_window(fn, sets, seconds):
