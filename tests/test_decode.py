@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import struct
+import sys
 
 import pytest
 import torch
@@ -606,3 +607,23 @@ def test_the_cooperative_combine_builds_for_one_wave_of_every_target() -> None:
                 dict(params, CLUSTER=2), dict(params, MERGE="atomic")):
         assert space.violations(bad, problem_, target), bad
 
+
+
+def test_flashinfer_is_an_anchor_that_steps_aside_where_it_does_not_import(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """FlashInfer is one of decode's anchors; where its wheel (or its JIT toolchain) does not
+    import, its timing is None with one line said, and no set is touched."""
+    from evoengine.problems import decode as decode_mod
+
+    assert "flashinfer" in decode_mod.Decode.anchors
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import raises ImportError
+    decode_mod.flashinfer_module.cache_clear()
+    try:
+        w = decode_mod.DecodeWorkload(batch=1, q_len=1, q_heads=32, kv_heads=8, head_dim=128,
+                                      cache_len=4096, layout="paged", page_size=64,
+                                      dtype="fp16")
+        assert decode_mod.Decode().time_anchor("flashinfer", w, []) is None
+        assert decode_mod.time_flashinfer_decode(w, []) is None
+    finally:
+        decode_mod.flashinfer_module.cache_clear()
+    assert capsys.readouterr().err.count("FlashInfer not timed") == 1

@@ -13,6 +13,7 @@ timed by CUDA-graph replay: a decode step is microseconds, which launch gaps wou
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import re
 import sys
@@ -166,7 +167,7 @@ def parse_decode(spec: str, **kw: Any) -> DecodeWorkload:
 class Decode(Problem):
     kind = "decode"
     summary = "decode over a KV cache, contiguous or paged: q_len 1..16 new tokens per sequence"
-    anchors = ("cudnn", "flash", "fa4")
+    anchors = ("cudnn", "flash", "fa4", "flashinfer")
 
     def method(self) -> str:
         from evoengine import measure
@@ -174,7 +175,8 @@ class Decode(Problem):
         return (f"{measure.TIMING}, graph replay of {measure.GRAPH_CALLS} calls for every "
                 "contender, inputs rotated over >= L2 where a set is smaller; anchors: SDPA's "
                 "cuDNN and flash backends with enable_gqa on a contiguous cache (causal lower "
-                "right for q_len > 1), FlashAttention-4's paged call where it imports")
+                "right for q_len > 1), FlashAttention-4's paged call and FlashInfer's paged "
+                "decode (q_len 1) or prefill (causal, q_len > 1) wrappers where they import")
 
     def workload_from_dict(self, data: Mapping[str, Any]) -> DecodeWorkload:
         return DecodeWorkload.from_dict(data)
@@ -290,6 +292,8 @@ class Decode(Problem):
                     **timing: Any) -> Timing | None:
         if anchor == "fa4":
             return time_fa4_decode(workload, sets, **timing)
+        if anchor == "flashinfer":
+            return time_flashinfer_decode(workload, sets, **timing)
         return time_sdpa_decode(anchor, workload, sets, **timing)
 
 
@@ -388,6 +392,111 @@ def time_fa4_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
             return measure.time_calls(call, len(calls), **{**timing, "graph": False})
     except (RuntimeError, ValueError, TypeError, AssertionError, NotImplementedError) as e:
         print(f"evoengine: FlashAttention-4 cannot run {workload.key()}: {e}", file=sys.stderr)
+        return None
+
+
+FLASHINFER_WORKSPACE_BYTES = 128 << 20  # its recommended float workspace (split-KV partials)
+FLASHINFER_TOLERANCE = 2e-2  # a wrong call (misread layout) is refused, not timed
+
+
+@functools.cache
+def flashinfer_module() -> Any:
+    """``flashinfer`` where it imports (a wheel and its JIT toolchain), else None (said once)."""
+    try:
+        import flashinfer  # type: ignore[import-not-found]
+    except Exception as e:  # noqa: BLE001 (any failure to import means: not this anchor)
+        print(f"evoengine: FlashInfer not timed ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
+    return flashinfer
+
+
+def flashinfer_calls(fi: Any, workload: DecodeWorkload,
+                     sets: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """One planned FlashInfer call per set, on the same tensors as ours: the vLLM layout is
+    its NHD one ([pages, page_size, kv_heads, D] for K and V apart); a contiguous cache
+    [batch, capacity, kv_heads, D] is batch pages of its capacity. q_len 1: the paged decode
+    wrapper (tensor cores for grouped heads); q_len > 1: the paged prefill wrapper, causal
+    (FlashInfer aligns the mask bottom-right, as ours). Each set plans its own wrapper over
+    one shared float workspace (the calls run one after another)."""
+    import torch
+
+    w = workload
+    dev = sets[0][0].device
+    dtype = sets[0][0].dtype
+    workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+    calls = []
+    for q, k, v, lens, table, _out in sets:
+        if table is None:  # contiguous: sequence b is page b
+            page_size = k.shape[1]
+            pages = torch.arange(w.batch, dtype=torch.int32, device=dev)[:, None]
+        else:
+            page_size = w.page_size
+            pages = table
+        used = (lens + page_size - 1) // page_size  # pages per sequence
+        indptr = torch.zeros(w.batch + 1, dtype=torch.int32, device=dev)
+        indptr[1:] = torch.cumsum(used, 0)
+        width = torch.arange(pages.shape[1], device=dev)[None, :]
+        indices = pages[width < used[:, None]].to(torch.int32).contiguous()
+        last = (lens - (used - 1) * page_size).to(torch.int32)
+        if w.q_len == 1:
+            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_tensor_cores=w.q_heads != w.kv_heads)
+            wrapper.plan(indptr, indices, last, w.q_heads, w.kv_heads, w.head_dim, page_size,
+                         q_data_type=dtype, kv_data_type=dtype)
+        else:
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            qo = torch.arange(0, (w.batch + 1) * w.q_len, w.q_len, dtype=torch.int32,
+                              device=dev)
+            wrapper.plan(qo, indptr, indices, last, w.q_heads, w.kv_heads, w.head_dim,
+                         page_size, causal=True, q_data_type=dtype, kv_data_type=dtype)
+        flat_q = q.reshape(w.batch * w.q_len, w.q_heads, w.head_dim)
+        calls.append((wrapper, flat_q, (k, v)))
+    return calls
+
+
+def time_flashinfer_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
+                           **timing: Any) -> Timing | None:
+    """FlashInfer's paged wrappers on the same tensors as ours (``flashinfer_calls``), checked
+    once against SDPA in float32 on the first set, then timed by graph replay where the call
+    captures, else eagerly (the result says which). None where it does not import or run."""
+    import torch
+
+    from evoengine import measure
+
+    fi = flashinfer_module()
+    if fi is None:
+        return None
+    w = workload
+    try:
+        calls = flashinfer_calls(fi, w, sets)
+        got = calls[0][0].run(calls[0][1], calls[0][2]).reshape(
+            w.batch, w.q_len, w.q_heads, w.head_dim)  # the first call compiles (JIT)
+        q, k, v = (x.float() for x in contiguous_sets(w, sets[:1])[0])
+        mask: Any = None
+        if w.q_len > 1:
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(w.q_len, w.cache_len)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=w.q_heads != w.kv_heads).transpose(1, 2)
+        err = (got.float() - want).abs().max().item()
+        if not err <= FLASHINFER_TOLERANCE:
+            print(f"evoengine: FlashInfer's output on {w.key()} is off by {err:.3g}: not timed",
+                  file=sys.stderr)
+            return None
+
+        def call(i: int) -> None:
+            wrapper, flat_q, cache = calls[i]
+            wrapper.run(flat_q, cache)
+        try:
+            return measure.time_calls(call, len(calls), **timing)
+        except RuntimeError:
+            if not timing.get("graph"):
+                raise
+            return measure.time_calls(call, len(calls), **{**timing, "graph": False})
+    except Exception as e:  # noqa: BLE001 (an anchor that cannot run this row is left out)
+        print(f"evoengine: FlashInfer cannot run {w.key()}: {type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
         return None
 
 
