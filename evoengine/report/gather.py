@@ -25,7 +25,8 @@ from evoengine.search.evidence import ANCHOR_KEYS
 from evoengine.store import EliteRecord, MeasurementRecord, RunRecord, Store
 
 # How the page names each anchor (the problems' anchors, keyed as ANCHOR_KEYS keys them).
-ANCHOR_NAMES = {"flash": "SDPA flash", "cudnn": "SDPA cuDNN", "fa4": "FlashAttention-4"}
+ANCHOR_NAMES = {"flash": "SDPA flash", "cudnn": "SDPA cuDNN", "fa4": "FlashAttention-4",
+                "flashinfer": "FlashInfer"}
 
 
 @dataclass(frozen=True)

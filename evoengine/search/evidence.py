@@ -150,7 +150,8 @@ class Evidence:
 # The results-row key of each anchor's time (the anchors are the problem's: evoengine.problems).
 ANCHOR_KEYS = {"flash": "sdpa_flash_us", "cudnn": "sdpa_cudnn_us", "fa4": "fa4_us",
                # varlen: SDPA on the batch padded to its longest sequence
-               "cudnn_padded": "sdpa_cudnn_padded_us", "flash_padded": "sdpa_flash_padded_us"}
+               "cudnn_padded": "sdpa_cudnn_padded_us", "flash_padded": "sdpa_flash_padded_us",
+               "flashinfer": "flashinfer_us"}  # decode, where its wheel imports
 ALWAYS_ANCHORS = ("flash", "cudnn")  # in every forward or backward row, None where not run
 
 
