@@ -341,6 +341,19 @@ def time_sdpa_decode(backend: str, workload: DecodeWorkload, sets: Sequence[tupl
         return None
 
 
+def graph_or_eager(call: Any, n_sets: int, **timing: Any) -> Timing:
+    """``measure.time_calls``; where graph replay was asked and the call does not capture
+    (an anchor's host work inside), the same call timed eagerly (its Timing says which)."""
+    from evoengine import measure
+
+    try:
+        return measure.time_calls(call, n_sets, **timing)
+    except RuntimeError:
+        if not timing.get("graph"):
+            raise
+        return measure.time_calls(call, n_sets, **{**timing, "graph": False})
+
+
 def fa4_decode() -> Any:
     """FlashAttention-4's call for a paged or contiguous cache with per-sequence lengths:
     ``flash_attn_with_kvcache`` where the cute interface has it, else its
@@ -359,8 +372,6 @@ def time_fa4_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
                     **timing: Any) -> Timing | None:
     """FA4 on the same tensors as ours (BSHD q, the cache as is, int32 lengths and block
     table); by graph replay where it captures, else eager (the result says which)."""
-    from evoengine import measure
-
     fn = fa4_decode()
     if fn is None:
         return None
@@ -384,12 +395,7 @@ def time_fa4_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
         fn(q, k, v, **kw)
     try:
         call(0)  # the first call compiles
-        try:
-            return measure.time_calls(call, len(calls), **timing)
-        except RuntimeError:
-            if not timing.get("graph"):
-                raise
-            return measure.time_calls(call, len(calls), **{**timing, "graph": False})
+        return graph_or_eager(call, len(calls), **timing)
     except (RuntimeError, ValueError, TypeError, AssertionError, NotImplementedError) as e:
         print(f"evoengine: FlashAttention-4 cannot run {workload.key()}: {e}", file=sys.stderr)
         return None
@@ -461,7 +467,6 @@ def time_flashinfer_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, .
     captures, else eagerly (the result says which). None where it does not import or run."""
     import torch
 
-    from evoengine import measure
 
     fi = flashinfer_module()
     if fi is None:
@@ -488,12 +493,7 @@ def time_flashinfer_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, .
         def call(i: int) -> None:
             wrapper, flat_q, cache = calls[i]
             wrapper.run(flat_q, cache)
-        try:
-            return measure.time_calls(call, len(calls), **timing)
-        except RuntimeError:
-            if not timing.get("graph"):
-                raise
-            return measure.time_calls(call, len(calls), **{**timing, "graph": False})
+        return graph_or_eager(call, len(calls), **timing)
     except Exception as e:  # noqa: BLE001 (an anchor that cannot run this row is left out)
         print(f"evoengine: FlashInfer cannot run {w.key()}: {type(e).__name__}: "
               f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
