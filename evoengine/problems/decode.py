@@ -467,7 +467,6 @@ def time_flashinfer_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, .
     captures, else eagerly (the result says which). None where it does not import or run."""
     import torch
 
-
     fi = flashinfer_module()
     if fi is None:
         return None
