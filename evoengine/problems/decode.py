@@ -423,7 +423,8 @@ def flashinfer_calls(fi: Any, workload: DecodeWorkload,
     [batch, capacity, kv_heads, D] is batch pages of its capacity. q_len 1: the paged decode
     wrapper (tensor cores for grouped heads); q_len > 1: the paged prefill wrapper, causal
     (FlashInfer aligns the mask bottom-right, as ours). Each set plans its own wrapper over
-    one shared float workspace (the calls run one after another)."""
+    one shared float workspace (the calls run one after another). Every sequence must hold a
+    key (the benchmark's do): a last page of no entry is not a plan FlashInfer takes."""
     import torch
 
     w = workload
@@ -438,6 +439,8 @@ def flashinfer_calls(fi: Any, workload: DecodeWorkload,
         else:
             page_size = w.page_size
             pages = table
+        if bool((lens <= 0).any()):
+            raise ValueError("an empty sequence")
         used = (lens + page_size - 1) // page_size  # pages per sequence
         indptr = torch.zeros(w.batch + 1, dtype=torch.int32, device=dev)
         indptr[1:] = torch.cumsum(used, 0)
