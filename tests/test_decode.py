@@ -608,7 +608,6 @@ def test_the_cooperative_combine_builds_for_one_wave_of_every_target() -> None:
         assert space.violations(bad, problem_, target), bad
 
 
-
 def test_flashinfer_is_an_anchor_that_steps_aside_where_it_does_not_import(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """FlashInfer is one of decode's anchors; where its wheel (or its JIT toolchain) does not

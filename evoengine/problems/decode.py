@@ -311,6 +311,15 @@ def contiguous_sets(workload: DecodeWorkload,
     return out
 
 
+def sdpa_mask(workload: DecodeWorkload) -> Any:
+    """SDPA's mask for a decode step: none at q_len 1, else causal aligned lower right."""
+    if workload.q_len == 1:
+        return None
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(workload.q_len, workload.cache_len)
+
+
 def time_sdpa_decode(backend: str, workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
                      **timing: Any) -> Timing | None:
     """SDPA restricted to ``backend`` with enable_gqa on a contiguous cache; q_len > 1 takes
@@ -322,11 +331,7 @@ def time_sdpa_decode(backend: str, workload: DecodeWorkload, sets: Sequence[tupl
 
     views = contiguous_sets(workload, sets)
     gqa = workload.q_heads != workload.kv_heads
-    mask: Any = None
-    if workload.q_len > 1:
-        from torch.nn.attention.bias import causal_lower_right
-
-        mask = causal_lower_right(workload.q_len, workload.cache_len)
+    mask = sdpa_mask(workload)
 
     def call(i: int) -> None:
         q, k, v = views[i]
@@ -466,7 +471,8 @@ def flashinfer_calls(fi: Any, workload: DecodeWorkload,
 def time_flashinfer_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
                            **timing: Any) -> Timing | None:
     """FlashInfer's paged wrappers on the same tensors as ours (``flashinfer_calls``), checked
-    once against SDPA in float32 on the first set, then timed by graph replay where the call
+    once against SDPA in float32 on the first sequence of the first set (a float copy of that
+    sequence's cache, not of the whole batch's), then timed by graph replay where the call
     captures, else eagerly (the result says which). None where it does not import or run."""
     import torch
 
@@ -477,15 +483,13 @@ def time_flashinfer_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, .
     try:
         calls = flashinfer_calls(fi, w, sets)
         got = calls[0][0].run(calls[0][1], calls[0][2]).reshape(
-            w.batch, w.q_len, w.q_heads, w.head_dim)  # the first call compiles (JIT)
-        q, k, v = (x.float() for x in contiguous_sets(w, sets[:1])[0])
-        mask: Any = None
-        if w.q_len > 1:
-            from torch.nn.attention.bias import causal_lower_right
-
-            mask = causal_lower_right(w.q_len, w.cache_len)
+            w.batch, w.q_len, w.q_heads, w.head_dim)[:1]  # the first call compiles (JIT)
+        q, k, v, lens, table, _ = sets[0]
+        first = (q[:1], k if table is not None else k[:1], v if table is not None else v[:1],
+                 lens[:1], None if table is None else table[:1], None)
+        q, k, v = (x.float() for x in contiguous_sets(replace(w, batch=1), [first])[0])
         want = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=w.q_heads != w.kv_heads).transpose(1, 2)
+            q, k, v, attn_mask=sdpa_mask(w), enable_gqa=w.q_heads != w.kv_heads).transpose(1, 2)
         err = (got.float() - want).abs().max().item()
         if not err <= FLASHINFER_TOLERANCE:
             print(f"evoengine: FlashInfer's output on {w.key()} is off by {err:.3g}: not timed",
