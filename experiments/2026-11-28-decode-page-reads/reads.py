@@ -1,0 +1,187 @@
+"""Does the shape of a block's reads decide what a shuffled page table costs? (issue #18)
+
+    python experiments/2026-11-28-decode-page-reads/reads.py --out reads.json
+
+No attention: a kernel that only reads a paged K/V cache (vLLM layout [pages, 64, 8, 128],
+fp16, 128 KB a page) and XORs what it read. Each block reads HB of the 8 KV heads over a run
+of tokens of one sequence, through that sequence's block table:
+- HB 1: 256 contiguous bytes a token (one head: what decode's blocks read today);
+- HB 2: 512 bytes a token;
+- HB 8: the whole 2 KB token row, so a block reads each of its pages end to end.
+Every variant reads the same bytes with the same number of blocks (the sequence's work cut
+into NB pieces), 256 threads, 8 loads of 16 bytes in flight a thread. Block tables:
+identity (sequence b owns pages b*P.. in order: a contiguous cache) and shuffled (a random
+permutation of all pages). Next to them a device copy of the same bytes. The question: is
+the shuffle's 1-3% (2026-11-27-h100-decode-page-order.json) a property of 256-byte reads
+spread over 8 blocks a page, which whole-page blocks would not pay?
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+SRC = r"""
+extern "C" __global__ void __launch_bounds__(256)
+reads(const uint4* __restrict__ k, const uint4* __restrict__ v, const int* __restrict__ table,
+      int pages_per_seq, int tokens_per_block, int groups, int split_fast, unsigned* out)
+{
+    // HB heads a block: HB * 16 uint4 a token; 256 / (HB * 16) tokens an iteration.
+    const int chunk = HB * 16;
+    const int tpi = 256 / chunk;
+    const int lane = threadIdx.x % chunk;
+    const int tok0 = threadIdx.x / chunk;
+    const int nsplit = gridDim.x / groups;
+    const int g = split_fast ? blockIdx.x / nsplit : blockIdx.x % groups;
+    const int s = split_fast ? blockIdx.x % nsplit : blockIdx.x / groups;
+    const int b = blockIdx.y;
+    const int* tab = table + (long long)b * pages_per_seq;
+    unsigned acc = 0;
+    const int first = s * tokens_per_block;
+    for (int it = 0; it < tokens_per_block; it += 4 * tpi) {
+        uint4 kk[4], vv[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int j = first + it + u * tpi + tok0;
+            const long long page = tab[j >> 6];
+            const long long off = page * 8192 + (j & 63) * 128 + g * chunk + lane;
+            kk[u] = __ldg(k + off);
+            vv[u] = __ldg(v + off);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            acc ^= kk[u].x ^ kk[u].y ^ kk[u].z ^ kk[u].w ^ vv[u].x ^ vv[u].y ^ vv[u].z ^ vv[u].w;
+    }
+    atomicXor(out + blockIdx.y * gridDim.x + blockIdx.x, acc);
+}
+"""
+
+
+def run_batch(batch, args, fns):
+    """The variants' rows for one batch, all timed in turn over the same cache."""
+    import cupy as cp
+    import numpy as np
+    import torch
+
+    dev = torch.device("cuda")
+    rows = []
+    P = args.cache // 64
+    pages = batch * P
+    k = torch.randn(pages, 64, 8, 128, device=dev, dtype=torch.float16)
+    v = torch.randn_like(k)
+    nbytes = 2 * k.numel() * 2
+    gen = torch.Generator().manual_seed(0)
+    tables = {"identity": torch.arange(pages, dtype=torch.int32).view(batch, P),
+              "shuffled": torch.randperm(pages, generator=gen).to(torch.int32).view(batch, P)}
+    tables = {n: t.to(dev) for n, t in tables.items()}
+    dst = torch.empty_like(k)
+    variants = []
+    for nb in args.blocks:
+        for hb in (1, 2, 8):
+            groups = 8 // hb
+            splits = nb // groups
+            tpb = args.cache // splits
+            for order in (("heads_fast", "splits_fast") if hb < 8 else ("heads_fast",)):
+                for tname in tables:
+                    variants.append((nb, hb, groups, splits, tpb, order, tname))
+    out = cp.empty(max(var[0] for var in variants) * batch, dtype=cp.uint32)
+
+    def launch(var):
+        nb, hb, groups, splits, tpb, order, tname = var
+        fns[hb]((nb, batch), (256,),
+                (cp.asarray(k), cp.asarray(v), cp.asarray(tables[tname]), cp.int32(P),
+                 cp.int32(tpb), cp.int32(groups), cp.int32(order == "splits_fast"), out))
+
+    def copy():
+        dst.copy_(k)
+        dst.copy_(v)
+
+    def timed(fn, reps=20):
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        return statistics.median(ts)
+
+    # Correctness of the addressing: every variant XORs the same bytes, and at batch 1 the
+    # host's XOR of the whole cache.
+    torch.cuda.synchronize()
+    want = None
+    if batch == 1:
+        words = np.concatenate([k.view(torch.int32).cpu().numpy().ravel(),
+                                v.view(torch.int32).cpu().numpy().ravel()])
+        want = int(np.bitwise_xor.reduce(words.view(np.uint32)))
+    xors = {}
+    for var in variants:
+        out.fill(0)
+        launch(var)
+        torch.cuda.synchronize()
+        xors[var] = int(np.bitwise_xor.reduce(cp.asnumpy(out[: var[0] * batch])))
+    if len(set(xors.values())) != 1 or (want is not None and want not in xors.values()):
+        raise SystemExit(f"batch {batch}: the variants read different bytes: host {want}, "
+                         + ", ".join(f"{var[:2] + var[5:]}={x}" for var, x in xors.items()))
+    times = {var: [] for var in variants}
+    copies = []
+    for _ in range(args.rounds):
+        copies.append(timed(copy))
+        for var in variants:
+            times[var].append(timed(functools.partial(launch, var)))
+    copy_us = statistics.median(copies)
+    print(f"batch {batch}: {nbytes / 1e9:.2f} GB of K and V; copy {copy_us:.1f} us "
+          f"({2 * nbytes / copy_us / 1e6:.0f} GB/s read + written)")
+    print(f"{'blocks':>6} {'heads':>5} {'order':>12} {'table':>9} {'us':>9} {'GB/s':>6}")
+    for var in variants:
+        t = statistics.median(times[var])
+        nb, hb, groups, splits, tpb, order, tname = var
+        print(f"{nb:>6} {hb:>5} {order:>12} {tname:>9} {t:9.1f} {nbytes / t / 1e3:6.0f}")
+        rows.append(dict(batch=batch, cache_len=args.cache, blocks_a_sequence=nb,
+                         heads_a_block=hb, splits=splits, order=order, table=tname,
+                         us=t, rounds_us=times[var], read_gbps=nbytes / t / 1e3,
+                         copy_us=copy_us))
+    return rows
+
+
+def main() -> None:
+    import cupy as cp
+    import torch
+
+    from evoengine.provenance import header, local_device
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--cache", type=int, default=32768)
+    ap.add_argument("--blocks", type=int, nargs="+", default=[128, 256],
+                    help="blocks a sequence (NB)")
+    args = ap.parse_args()
+
+    mods = {hb: cp.RawModule(code=SRC, options=("-std=c++17", f"-DHB={hb}"))
+            for hb in (1, 2, 8)}
+    fns = {hb: m.get_function("reads") for hb, m in mods.items()}
+    rows = []
+    for batch in args.batch:
+        rows += run_batch(batch, args, fns)
+        torch.cuda.empty_cache()
+    method = (f"CUDA events, 3 warm-up calls, median of 20, {args.rounds} rounds interleaved, "
+              "median of the rounds' medians; no input rotation (the smallest set, batch 1, is "
+              "134 MB against 50 MB of L2)")
+    head = header(**local_device(), method=method)
+    args.out.write_text(json.dumps({**head, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
