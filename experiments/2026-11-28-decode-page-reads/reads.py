@@ -9,7 +9,7 @@ of tokens of one sequence, through that sequence's block table:
 - HB 2: 512 bytes a token;
 - HB 8: the whole 2 KB token row, so a block reads each of its pages end to end.
 Every variant reads the same bytes with the same number of blocks (the sequence's work cut
-into NB pieces), 256 threads, 8 loads of 16 bytes in flight a thread. Block tables:
+into NB pieces), 256 threads, 2 x --unroll loads of 16 bytes in flight a thread. Block tables:
 identity (sequence b owns pages b*P.. in order: a contiguous cache) and shuffled (a random
 permutation of all pages). Next to them a device copy of the same bytes. The question: is
 the shuffle's 1-3% (2026-11-27-h100-decode-page-order.json) a property of 256-byte reads
@@ -45,10 +45,10 @@ reads(const uint4* __restrict__ k, const uint4* __restrict__ v, const int* __res
     const int* tab = table + (long long)b * pages_per_seq;
     unsigned acc = 0;
     const int first = s * tokens_per_block;
-    for (int it = 0; it < tokens_per_block; it += 4 * tpi) {
-        uint4 kk[4], vv[4];
+    for (int it = 0; it < tokens_per_block; it += U * tpi) {
+        uint4 kk[U], vv[U];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int j = first + it + u * tpi + tok0;
             const long long page = tab[j >> 6];
             const long long off = page * 8192 + (j & 63) * 128 + g * chunk + lane;
@@ -56,7 +56,7 @@ reads(const uint4* __restrict__ k, const uint4* __restrict__ v, const int* __res
             vv[u] = __ldg(v + off);
         }
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
+        for (int u = 0; u < U; ++u)
             acc ^= kk[u].x ^ kk[u].y ^ kk[u].z ^ kk[u].w ^ vv[u].x ^ vv[u].y ^ vv[u].z ^ vv[u].w;
     }
     atomicXor(out + blockIdx.y * gridDim.x + blockIdx.x, acc);
@@ -147,9 +147,9 @@ def run_batch(batch, args, fns):
         t = statistics.median(times[var])
         nb, hb, groups, splits, tpb, order, tname = var
         print(f"{nb:>6} {hb:>5} {order:>12} {tname:>9} {t:9.1f} {nbytes / t / 1e3:6.0f}")
-        rows.append(dict(batch=batch, cache_len=args.cache, blocks_a_sequence=nb,
-                         heads_a_block=hb, splits=splits, order=order, table=tname,
-                         us=t, rounds_us=times[var], read_gbps=nbytes / t / 1e3,
+        rows.append(dict(unroll=args.unroll, batch=batch, cache_len=args.cache,
+                         blocks_a_sequence=nb, heads_a_block=hb, splits=splits, order=order,
+                         table=tname, us=t, rounds_us=times[var], read_gbps=nbytes / t / 1e3,
                          copy_us=copy_us))
     return rows
 
@@ -165,11 +165,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--cache", type=int, default=32768)
+    ap.add_argument("--unroll", type=int, default=4,
+                    help="iterations a thread has in flight (each a 16-byte load of K and of V)")
     ap.add_argument("--blocks", type=int, nargs="+", default=[128, 256],
                     help="blocks a sequence (NB)")
     args = ap.parse_args()
 
-    mods = {hb: cp.RawModule(code=SRC, options=("-std=c++17", f"-DHB={hb}"))
+    mods = {hb: cp.RawModule(code=SRC, options=("-std=c++17", f"-DHB={hb}", f"-DU={args.unroll}"))
             for hb in (1, 2, 8)}
     fns = {hb: m.get_function("reads") for hb, m in mods.items()}
     rows = []
