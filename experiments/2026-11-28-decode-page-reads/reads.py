@@ -63,6 +63,65 @@ reads(const uint4* __restrict__ k, const uint4* __restrict__ v, const int* __res
 }
 """
 
+# --ring STAGES: the reads as decode's ring makes them. Each block streams tiles of 128 / HB
+# tokens (32 KB of K and 32 KB of V whatever HB) through a STAGES-deep cp.async ring in dynamic
+# shared memory, 128 threads, the slot of tile t - 1 refilled after the barrier of tile t, and
+# XORs every tile out of shared memory (one pass over it, as decode's ldmatrix reads do).
+RING_SRC = r"""
+constexpr int THREADS = 128;
+constexpr int TOK = 128 / HB;          // tokens a tile
+constexpr int CHUNK = HB * 16;         // uint4 of a token's HB heads
+constexpr int TILE = TOK * CHUNK;      // uint4 of K (and of V) a tile: 2048
+__device__ __forceinline__ void cp16(const void* dst, const void* src) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src));
+}
+extern "C" __global__ void __launch_bounds__(THREADS)
+reads(const uint4* __restrict__ k, const uint4* __restrict__ v, const int* __restrict__ table,
+      int pages_per_seq, int tokens_per_block, int groups, int split_fast, unsigned* out)
+{
+    extern __shared__ uint4 ring[];
+    const int nsplit = gridDim.x / groups;
+    const int g = split_fast ? blockIdx.x / nsplit : blockIdx.x % groups;
+    const int s = split_fast ? blockIdx.x % nsplit : blockIdx.x / groups;
+    const int* tab = table + (long long)blockIdx.y * pages_per_seq;
+    const int first = s * tokens_per_block, n_tiles = tokens_per_block / TOK;
+    auto issue = [&](int t, int slot) {
+        uint4* dk = ring + slot * 2 * TILE;
+        for (int i = threadIdx.x; i < TILE; i += THREADS) {
+            const int j = first + t * TOK + i / CHUNK;
+            const long long off = (long long)tab[j >> 6] * 8192 + (j & 63) * 128 + g * CHUNK
+                                  + i % CHUNK;
+            cp16(dk + i, k + off);
+            cp16(dk + TILE + i, v + off);
+        }
+    };
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {
+        if (t < n_tiles) issue(t, t);
+        asm volatile("cp.async.commit_group;");
+    }
+    unsigned acc = 0;
+    for (int t = 0; t < n_tiles; ++t) {
+        asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2));
+        __syncthreads();
+        if (t + STAGES - 1 < n_tiles) issue(t + STAGES - 1, (t + STAGES - 1) % STAGES);
+        asm volatile("cp.async.commit_group;");
+        const uint4* sk = ring + (t % STAGES) * 2 * TILE;
+        for (int i = threadIdx.x; i < 2 * TILE; i += THREADS) {
+            const uint4 x = sk[i];
+            acc ^= x.x ^ x.y ^ x.z ^ x.w;
+        }
+    }
+    atomicXor(out + blockIdx.y * gridDim.x + blockIdx.x, acc);
+}
+"""
+
+
+def ring_bytes(args) -> int:
+    """Dynamic shared memory of the ring kernel: STAGES tiles of 32 KB of K and 32 KB of V."""
+    return args.ring * 64 * 1024
+
 
 def run_batch(batch, args, fns):
     """The variants' rows for one batch, all timed in turn over the same cache."""
@@ -95,9 +154,10 @@ def run_batch(batch, args, fns):
 
     def launch(var):
         nb, hb, groups, splits, tpb, order, tname = var
-        fns[hb]((nb, batch), (256,),
+        fns[hb]((nb, batch), (128 if args.ring else 256,),
                 (cp.asarray(k), cp.asarray(v), cp.asarray(tables[tname]), cp.int32(P),
-                 cp.int32(tpb), cp.int32(groups), cp.int32(order == "splits_fast"), out))
+                 cp.int32(tpb), cp.int32(groups), cp.int32(order == "splits_fast"), out),
+                shared_mem=ring_bytes(args))
 
     def copy():
         dst.copy_(k)
@@ -147,7 +207,7 @@ def run_batch(batch, args, fns):
         t = statistics.median(times[var])
         nb, hb, groups, splits, tpb, order, tname = var
         print(f"{nb:>6} {hb:>5} {order:>12} {tname:>9} {t:9.1f} {nbytes / t / 1e3:6.0f}")
-        rows.append(dict(unroll=args.unroll, batch=batch, cache_len=args.cache,
+        rows.append(dict(unroll=args.unroll, ring=args.ring, batch=batch, cache_len=args.cache,
                          blocks_a_sequence=nb, heads_a_block=hb, splits=splits, order=order,
                          table=tname, us=t, rounds_us=times[var], read_gbps=nbytes / t / 1e3,
                          copy_us=copy_us))
@@ -167,13 +227,18 @@ def main() -> None:
     ap.add_argument("--cache", type=int, default=32768)
     ap.add_argument("--unroll", type=int, default=4,
                     help="iterations a thread has in flight (each a 16-byte load of K and of V)")
+    ap.add_argument("--ring", type=int, default=0, metavar="STAGES",
+                    help="read through a cp.async ring of STAGES 64 KB tiles (0: plain loads)")
     ap.add_argument("--blocks", type=int, nargs="+", default=[128, 256],
                     help="blocks a sequence (NB)")
     args = ap.parse_args()
 
-    mods = {hb: cp.RawModule(code=SRC, options=("-std=c++17", f"-DHB={hb}", f"-DU={args.unroll}"))
+    opts = ("-std=c++17", f"-DU={args.unroll}", f"-DSTAGES={args.ring}")
+    mods = {hb: cp.RawModule(code=RING_SRC if args.ring else SRC, options=(*opts, f"-DHB={hb}"))
             for hb in (1, 2, 8)}
     fns = {hb: m.get_function("reads") for hb, m in mods.items()}
+    for fn in fns.values():
+        fn.max_dynamic_shared_size_bytes = ring_bytes(args)
     rows = []
     for batch in args.batch:
         rows += run_batch(batch, args, fns)
