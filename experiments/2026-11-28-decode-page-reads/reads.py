@@ -129,6 +129,8 @@ def run_batch(batch, args, fns):
     import numpy as np
     import torch
 
+    from evoengine import measure
+
     dev = torch.device("cuda")
     rows = []
     P = args.cache // 64
@@ -163,18 +165,8 @@ def run_batch(batch, args, fns):
         dst.copy_(k)
         dst.copy_(v)
 
-    def timed(fn, reps=20):
-        for _ in range(3):
-            fn()
-        ts = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3)
-        return statistics.median(ts)
+    def timed(fn):
+        return measure.time_calls(lambda _i: fn(), 1, graph=False).median_us
 
     # Correctness of the addressing: every variant XORs the same bytes, and at batch 1 the
     # host's XOR of the whole cache.
@@ -218,6 +210,7 @@ def main() -> None:
     import cupy as cp
     import torch
 
+    from evoengine import measure
     from evoengine.provenance import header, local_device
 
     ap = argparse.ArgumentParser()
@@ -243,7 +236,7 @@ def main() -> None:
     for batch in args.batch:
         rows += run_batch(batch, args, fns)
         torch.cuda.empty_cache()
-    method = (f"CUDA events, 3 warm-up calls, median of 20, {args.rounds} rounds interleaved, "
+    method = (f"{measure.TIMING}, {args.rounds} rounds interleaved, "
               "median of the rounds' medians; no input rotation (the smallest set, batch 1, is "
               "134 MB against 50 MB of L2)")
     head = header(**local_device(), method=method)
