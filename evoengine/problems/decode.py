@@ -320,6 +320,31 @@ def sdpa_mask(workload: DecodeWorkload) -> Any:
     return causal_lower_right(workload.q_len, workload.cache_len)
 
 
+ANCHOR_TOLERANCE = 2e-2  # an anchor's call that misreads the layout is refused, not timed
+
+
+def refused_output(name: str, workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
+                   got: Any) -> bool:
+    """Whether an anchor's output for the first sequence of ``sets[0]`` (``got``, [1, q_len,
+    q_heads, D]) is off from SDPA in float32 on a float copy of that sequence's cache (not of
+    the whole batch's); if so it says so in one line, and the anchor is not timed."""
+    import torch
+
+    q, k, v, lens, table, _ = sets[0]
+    first = (q[:1], k if table is not None else k[:1], v if table is not None else v[:1],
+             lens[:1], None if table is None else table[:1], None)
+    q, k, v = (x.float() for x in contiguous_sets(replace(workload, batch=1), [first])[0])
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=sdpa_mask(workload),
+        enable_gqa=workload.q_heads != workload.kv_heads).transpose(1, 2)
+    err = (got.float() - want).abs().max().item()
+    if err <= ANCHOR_TOLERANCE:
+        return False
+    print(f"evoengine: {name}'s output on {workload.key()} is off by {err:.3g}: not timed",
+          file=sys.stderr)
+    return True
+
+
 def time_sdpa_decode(backend: str, workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
                      **timing: Any) -> Timing | None:
     """SDPA restricted to ``backend`` with enable_gqa on a contiguous cache; q_len > 1 takes
@@ -376,7 +401,10 @@ def fa4_decode() -> Any:
 def time_fa4_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
                     **timing: Any) -> Timing | None:
     """FA4 on the same tensors as ours (BSHD q, the cache as is, int32 lengths and block
-    table); by graph replay where it captures, else eager (the result says which)."""
+    table), checked once against SDPA (``refused_output``); by graph replay where it captures,
+    else eager (the result says which)."""
+    from evoengine import measure
+
     fn = fa4_decode()
     if fn is None:
         return None
@@ -395,11 +423,13 @@ def time_fa4_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
 
     calls = [(q, k, v, kwargs(lens, table)) for q, k, v, lens, table, _ in sets]
 
-    def call(i: int) -> None:
+    def call(i: int) -> Any:
         q, k, v, kw = calls[i]
-        fn(q, k, v, **kw)
+        return fn(q, k, v, **kw)
     try:
-        call(0)  # the first call compiles
+        got = measure.fa4_output(call(0))[:1]  # the first call compiles
+        if refused_output("FlashAttention-4", workload, sets, got):
+            return None
         return graph_or_eager(call, len(calls), **timing)
     except (RuntimeError, ValueError, TypeError, AssertionError, NotImplementedError) as e:
         print(f"evoengine: FlashAttention-4 cannot run {workload.key()}: {e}", file=sys.stderr)
@@ -407,7 +437,6 @@ def time_fa4_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
 
 
 FLASHINFER_WORKSPACE_BYTES = 128 << 20  # its recommended float workspace (split-KV partials)
-FLASHINFER_TOLERANCE = 2e-2  # a wrong call (misread layout) is refused, not timed
 
 
 @functools.cache
@@ -471,11 +500,8 @@ def flashinfer_calls(fi: Any, workload: DecodeWorkload,
 def time_flashinfer_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
                            **timing: Any) -> Timing | None:
     """FlashInfer's paged wrappers on the same tensors as ours (``flashinfer_calls``), checked
-    once against SDPA in float32 on the first sequence of the first set (a float copy of that
-    sequence's cache, not of the whole batch's), then timed by graph replay where the call
+    once against SDPA (``refused_output``), then timed by graph replay where the call
     captures, else eagerly (the result says which). None where it does not import or run."""
-    import torch
-
     fi = flashinfer_module()
     if fi is None:
         return None
@@ -484,16 +510,7 @@ def time_flashinfer_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, .
         calls = flashinfer_calls(fi, w, sets)
         got = calls[0][0].run(calls[0][1], calls[0][2]).reshape(
             w.batch, w.q_len, w.q_heads, w.head_dim)[:1]  # the first call compiles (JIT)
-        q, k, v, lens, table, _ = sets[0]
-        first = (q[:1], k if table is not None else k[:1], v if table is not None else v[:1],
-                 lens[:1], None if table is None else table[:1], None)
-        q, k, v = (x.float() for x in contiguous_sets(replace(w, batch=1), [first])[0])
-        want = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=sdpa_mask(w), enable_gqa=w.q_heads != w.kv_heads).transpose(1, 2)
-        err = (got.float() - want).abs().max().item()
-        if not err <= FLASHINFER_TOLERANCE:
-            print(f"evoengine: FlashInfer's output on {w.key()} is off by {err:.3g}: not timed",
-                  file=sys.stderr)
+        if refused_output("FlashInfer", w, sets, got):
             return None
 
         def call(i: int) -> None:
