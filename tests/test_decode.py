@@ -293,6 +293,26 @@ def test_input_checks_name_what_was_expected(over: dict, match: str) -> None:
         check_decode_inputs(t["q"], t["k"], t["v"], t["lens"], t["table"])
 
 
+@pytest.mark.parametrize("paged", [True, False])
+def test_input_checks_refuse_strides_past_32_bits(paged: bool) -> None:
+    # The kernels' row offsets are 32-bit products; meta tensors hold the strides without
+    # the memory (the device is checked last, so the strides are what fails).
+    def meta(shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty_strided(shape, stride, dtype=torch.float16, device="meta")
+    q = meta((2, 1, 8, 64), (512, 512, 64, 1))
+    lens = torch.zeros(2, dtype=torch.int32, device="meta")
+    table = torch.zeros(2, 4, dtype=torch.int32, device="meta") if paged else None
+    far = (2**31, 128, 64, 1) if paged else (2**32, 2**31, 64, 1)
+    near = (16 * 128, 128, 64, 1) if paged else (4 * 128, 128, 64, 1)
+    shape = (10, 16, 2, 64) if paged else (2, 4, 2, 64)
+    with pytest.raises(ValueError, match="k_cache's .*stride.* reach past 2\\^31"):
+        check_decode_inputs(q, meta(shape, far), meta(shape, near), lens, table)
+    with pytest.raises(ValueError, match="v_cache's .*stride.* reach past 2\\^31"):
+        check_decode_inputs(q, meta(shape, near), meta(shape, far), lens, table)
+    with pytest.raises(ValueError, match="one CUDA device"):  # the same inputs, near rows
+        check_decode_inputs(q, meta(shape, near), meta(shape, near), lens, table)
+
+
 def test_input_checks_need_a_cuda_device() -> None:
     t = _tensors()
     with pytest.raises(ValueError, match="one CUDA device"):

@@ -162,6 +162,7 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
             raise ValueError(f"page_size (k_cache.shape[1]) must be a power of 2, got {per_row}")
         shape = DecodeShape(batch, q_len, q_heads, kv_heads, d, True, per_row,
                             block_table.shape[1] * per_row, rows)
+    check_cache_strides(k_cache, v_cache, shape)
     check_grid_dims(batch, kv_heads, "kv heads")
     tensors = [q, k_cache, v_cache, cache_seqlens] + ([block_table] if block_table is not None
                                                       else [])
@@ -169,6 +170,21 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
         raise ValueError("q, k_cache, v_cache, cache_seqlens and block_table must be on one "
                          f"CUDA device, got {', '.join(str(t.device) for t in tensors)}")
     return shape
+
+
+def check_cache_strides(k_cache: Tensor, v_cache: Tensor, shape: DecodeShape) -> None:
+    """The kernels form a key row's offset from 32-bit products: a page's stride, and a key
+    row's stride times the rows of a page (paged) or the row index (contiguous), must stay
+    below 2^31 elements. Any cache whose pages or rows are stored whole passes; only views
+    with gaps of gigabytes between rows would not."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        pages, rows = t.shape[:2]
+        spans = ([t.stride(0) if pages > 1 else 0, t.stride(1) * (rows - 1)] if shape.paged
+                 else [t.stride(1) if rows > 1 else 0])
+        if max(spans) >= 2**31:
+            what = "page and key-row strides" if shape.paged else "key-row stride"
+            raise ValueError(f"{name}'s {what} {tuple(t.stride()[:2])} reach past 2^31 "
+                             "elements: pass a cache whose rows lie closer (.contiguous())")
 
 
 def check_decode_values(shape: DecodeShape, cache_seqlens: Tensor,
