@@ -311,6 +311,9 @@ def test_input_checks_refuse_strides_past_32_bits(paged: bool) -> None:
         check_decode_inputs(q, meta(shape, near), meta(shape, far), lens, table)
     with pytest.raises(ValueError, match="one CUDA device"):  # the same inputs, near rows
         check_decode_inputs(q, meta(shape, near), meta(shape, near), lens, table)
+    with pytest.raises(ValueError, match="one CUDA device"):  # for SDPA: checked at launch
+        check_decode_inputs(q, meta(shape, far), meta(shape, near), lens, table,
+                            aligned=False)
 
 
 def test_input_checks_need_a_cuda_device() -> None:

@@ -162,7 +162,8 @@ def check_decode_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqle
             raise ValueError(f"page_size (k_cache.shape[1]) must be a power of 2, got {per_row}")
         shape = DecodeShape(batch, q_len, q_heads, kv_heads, d, True, per_row,
                             block_table.shape[1] * per_row, rows)
-    check_cache_strides(k_cache, v_cache, shape)
+    if aligned:  # else checked where a kernel, not SDPA, takes the call
+        check_cache_strides(k_cache, v_cache, shape)
     check_grid_dims(batch, kv_heads, "kv heads")
     tensors = [q, k_cache, v_cache, cache_seqlens] + ([block_table] if block_table is not None
                                                       else [])
@@ -549,6 +550,7 @@ class TunedDecode:
         if fallback is not None:  # not checked above: SDPA might have served
             for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
                 check_aligned(name, t)
+            check_cache_strides(k_cache, v_cache, shape)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         kernel.launch(q, k_cache, v_cache, cache_seqlens, block_table, out, None, shape,
                       causal=causal, scale=scale)
