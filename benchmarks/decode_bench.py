@@ -12,6 +12,8 @@ interleaved over ``--rounds`` rounds (median of the rounds' medians), by CUDA-gr
 - copy: a device-to-device copy of the same K and V bytes.
 
 Rows carry ``bandwidth_fraction`` = (K/V bytes read / ours_us) / (2 x copied bytes / copy_us).
+``copy_kernel_us``: the same bytes through an elementwise kernel, beside the copy (on the H200 the
+copy's graph node ran below the kernels' read rate; the fraction still divides by ``copy_us``).
 
     python benchmarks/decode_bench.py --points points.json --out results.json
     python benchmarks/decode_bench.py --store runs/evoengine.db --batch 1 8 --cache 32768
@@ -144,8 +146,10 @@ def run_row(w: DecodeWorkload, params: list[dict[str, Any]], args: argparse.Name
     anchors: dict[str, list[float]] = {a: [] for a in problem.anchors}
     graphed: dict[str, bool] = {}
     copies: list[float] = []
+    kernel_copies: list[float] = []  # the same bytes by an elementwise kernel (beside copy_us)
     for _ in range(args.rounds):
         copies.append(time_copy(w, sets, **timing).median_us)
+        kernel_copies.append(time_copy(w, sets, kernel=True, **timing).median_us)
         for k in kernels:
             ours[k.name].append(measure.time_calls(problem.timed_call(k, w, sets), len(sets),
                                                    **timing).median_us)
@@ -168,6 +172,7 @@ def run_row(w: DecodeWorkload, params: list[dict[str, Any]], args: argparse.Name
         workload=w.key(), batch=w.batch, cache_len=w.cache_len, q_len=w.q_len,
         q_heads=w.q_heads, kv_heads=w.kv_heads, head_dim=w.head_dim, layout=w.layout,
         page_size=w.page_size, dtype=w.dtype, kv_bytes=w.kv_bytes(), copy_us=copy_us,
+        copy_kernel_us=statistics.median(kernel_copies),
         anchors_us=anchor_us, anchors_graph=graphed, points_us=med, rejected=rejected)
     if own:
         best = min(own, key=own.get)  # type: ignore[arg-type]

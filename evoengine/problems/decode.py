@@ -522,10 +522,13 @@ def time_flashinfer_decode(workload: DecodeWorkload, sets: Sequence[tuple[Any, .
         return None
 
 
-def time_copy(workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
-              **timing: Any) -> Timing:
+def time_copy(workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]], *,
+              kernel: bool = False, **timing: Any) -> Timing:
     """A device-to-device copy of the K and V bytes a decode step reads (each set's cache
-    into one destination), graph-replayed: the bandwidth the kernel is measured against."""
+    into one destination), graph-replayed: the bandwidth the kernel is measured against.
+    ``kernel``: the same bytes through an elementwise kernel (``torch.neg``) instead of
+    ``copy_``, whose graph node is a memcpy: on the H200 (2026-11-28) that node moved 2.7 TB/s
+    (read + write), below what the decode kernels read."""
     import torch
 
     from evoengine import measure
@@ -536,8 +539,12 @@ def time_copy(workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]],
 
     def call(i: int) -> None:
         k, v = flat[i]
-        dst[:n].copy_(k[:n])
-        dst[n:].copy_(v[:n])
+        if kernel:
+            torch.neg(k[:n], out=dst[:n])
+            torch.neg(v[:n], out=dst[n:])
+        else:
+            dst[:n].copy_(k[:n])
+            dst[n:].copy_(v[:n])
     return measure.time_calls(call, len(flat), **timing)
 
 

@@ -304,10 +304,11 @@ def test_decode_workload_plan_and_timing() -> None:
 
     ours = measure.time_calls(call, len(sets), graph=True, reps=10)
     copy = time_copy(w, sets, graph=True, reps=10)
+    by_kernel = time_copy(w, sets, kernel=True, graph=True, reps=10)
     cudnn = problem.time_anchor("cudnn", w, sets, graph=True, reps=10)
     print(f"\nours {ours.median_us:.1f} us, copy {copy.median_us:.1f} us, cuDNN "
           f"{cudnn.median_us if cudnn else None}")
-    assert ours.median_us > 0 and copy.median_us > 0
+    assert ours.median_us > 0 and copy.median_us > 0 and by_kernel.median_us > 0
 
 
 def test_values_are_checked_before_launch() -> None:
