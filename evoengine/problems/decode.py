@@ -533,18 +533,16 @@ def time_copy(workload: DecodeWorkload, sets: Sequence[tuple[Any, ...]], *,
 
     from evoengine import measure
 
-    flat = [(k.reshape(-1), v.reshape(-1)) for _q, k, v, *_ in sets]
     n = workload.kv_bytes() // 4  # elements of K (or V) a step reads
+    flat = [(k.reshape(-1)[:n], v.reshape(-1)[:n]) for _q, k, v, *_ in sets]
     dst = torch.empty(2 * n, dtype=sets[0][1].dtype, device=sets[0][1].device)
+    to_k, to_v = dst[:n], dst[n:]
+    copy = (lambda src, to: torch.neg(src, out=to)) if kernel else (lambda src, to: to.copy_(src))
 
     def call(i: int) -> None:
         k, v = flat[i]
-        if kernel:
-            torch.neg(k[:n], out=dst[:n])
-            torch.neg(v[:n], out=dst[n:])
-        else:
-            dst[:n].copy_(k[:n])
-            dst[n:].copy_(v[:n])
+        copy(k, to_k)
+        copy(v, to_v)
     return measure.time_calls(call, len(flat), **timing)
 
 
