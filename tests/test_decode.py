@@ -123,7 +123,7 @@ def test_points_from_before_l2_prefetch_and_merge_complete() -> None:
     assert space.complete(old)["COMBINE_ITEMS"] == 1
     assert space.complete(old)["CLUSTER"] == 1
     assert space.legacy == {"L2_PREFETCH": 0, "MERGE": "atomic", "COMBINE": "kernel",
-                            "COMBINE_ITEMS": 1, "CLUSTER": 1}
+                            "COMBINE_ITEMS": 1, "CLUSTER": 1, "PAGE_STAGING": "regs"}
 
 
 def test_space_is_of_kind_decode() -> None:
@@ -181,6 +181,42 @@ def test_compiles_offline_without_spills(arch: str, paged: bool, merge: str,
         assert (ops.count("ATOMG"), ops.count("MEMBAR")) == ((1, 2) if fused else (0, 0))
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
+def test_page_staging_builds_without_spills(arch: str) -> None:
+    """PAGE_STAGING "smem" is the paged cache's: a contiguous one is refused with the reason.
+    Paged, from 2-stage rings of 32-key tiles to 8-stage ones of 256 (a tile's page numbers in
+    a ring of 2 STAGES - 1 slots after the K/V ring, which the space's shared memory counts: the
+    kernel asserts the same sum), it compiles without spills or local memory, as its "regs" twin
+    does."""
+    from tests.test_backward import CUOBJDUMP, sass_opcodes
+
+    space = SearchSpace.load(SPACE)
+    target = get_arch(arch)
+    base = dict(BLOCK_M=16, VEC_BYTES=16, L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves",
+                SPLITS=1, COMBINE="fused", COMBINE_ITEMS=1, CLUSTER=1, PAGE_STAGING="smem")
+    contiguous = {"HEAD_DIM": 128, "DTYPE": "fp16", "PAGED": False}
+    point = dict(base, BLOCK_N=64, NUM_WARPS=4, STAGES=4)
+    assert any("no page numbers to stage" in why
+               for why in space.violations(point, contiguous, target))
+    for head_dim, tile in ((128, dict(BLOCK_N=64, NUM_WARPS=4, STAGES=4)),
+                           (64, dict(BLOCK_N=32, NUM_WARPS=2, STAGES=2)),
+                           (64, dict(BLOCK_N=256, NUM_WARPS=8, STAGES=8))):
+        problem_ = {"HEAD_DIM": head_dim, "DTYPE": "bf16", "PAGED": True}
+        params = dict(base, **tile)
+        if space.violations(params, problem_, target):
+            continue  # 8 stages of 256 keys pass sm_89's shared memory
+        smem = make_candidate(space, params, problem_, target)
+        regs = make_candidate(space, dict(params, PAGE_STAGING="regs"), problem_, target)
+        assert int(smem.derived["SMEM_BYTES"]) > int(regs.derived["SMEM_BYTES"])  # type: ignore[call-overload]
+        for cand in (smem, regs):
+            result = compile_candidate(cand, target)
+            assert result.ok, result.error
+            assert result.spill_bytes == 0, f"{cand.identity} spills on {arch}"
+            if CUOBJDUMP is not None:
+                ops = sass_opcodes(result.cubin or b"", "attn_decode")
+                assert "LDL" not in ops and "STL" not in ops, cand.identity
+
+
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90a"])
 @pytest.mark.parametrize(("head_dim", "paged", "threads"), [(96, True, 128), (80, False, 256),
                                                             (112, True, 64)])
@@ -197,7 +233,7 @@ def test_rows_of_no_power_of_two_copies_are_copied_by_index(arch: str, head_dim:
     block_n = 128 if threads == 256 else 64  # 16 keys a warp at least
     params = dict(BLOCK_N=block_n, BLOCK_M=16, NUM_WARPS=threads // 32, STAGES=2, VEC_BYTES=16,
                   L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=2,
-                  COMBINE="fused", COMBINE_ITEMS=1, CLUSTER=1)
+                  COMBINE="fused", COMBINE_ITEMS=1, CLUSTER=1, PAGE_STAGING="regs")
     assert not space.violations(params, problem_, target)
     cand = make_candidate(space, params, problem_, target)
     assert "constexpr bool COLUMNS = THREADS % ROW_VECS == 0;" in render(cand)
@@ -241,7 +277,7 @@ def test_merge_slices_fit_where_the_ring_does() -> None:
     small = get_arch("sm_89")  # 99 KB: 8 slices of 32 x (256 + 8) floats do not fit
     big = dict(BLOCK_N=128, BLOCK_M=32, NUM_WARPS=8, STAGES=2, VEC_BYTES=16, L2_PREFETCH=0,
                MERGE="slices", SPLIT_POLICY="waves", SPLITS=1, COMBINE="kernel",
-               COMBINE_ITEMS=1, CLUSTER=1)
+               COMBINE_ITEMS=1, CLUSTER=1, PAGE_STAGING="regs")
     bad = space.violations(big, {"HEAD_DIM": 256, "DTYPE": "fp16", "PAGED": True}, small)
     assert any("the warps' merge fits" in why for why in bad)
 
@@ -357,7 +393,8 @@ def test_plan_covers_ragged_and_own_length() -> None:
 
 DECODE_POINT = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
                     L2_PREFETCH=256, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
-                    COMBINE="kernel", COMBINE_ITEMS=1, CLUSTER=1)
+                    COMBINE="kernel", COMBINE_ITEMS=1, CLUSTER=1,
+                    PAGE_STAGING="regs")
 
 
 def decode_store(db: object, arch: str, workloads: list[DecodeWorkload]) -> None:

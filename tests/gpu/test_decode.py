@@ -8,7 +8,8 @@ the warps (MERGE: slices, and the legacy atomics) and, after the slices merge, b
 the splits (COMBINE: the combine kernel, and fused into the last block of each group, merging
 one or several quads a thread at once: COMBINE_ITEMS); on sm_90, the splits in thread block
 clusters that merge through distributed shared memory (CLUSTER), with one cluster of every
-split and several, and clusters whose splits outnumber the cache's tiles.
+split and several, and clusters whose splits outnumber the cache's tiles; paged, the tiles'
+page numbers staged in shared memory (PAGE_STAGING "smem") as well as in registers.
 """
 
 from __future__ import annotations
@@ -75,11 +76,11 @@ def space() -> SearchSpace:
 @functools.cache
 def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
             combine: str = "kernel", items: int = 1, cluster: int = 1,
-            one_wave: bool = False) -> list[DecodeKernel]:
+            one_wave: bool = False, staging: str = "regs") -> list[DecodeKernel]:
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
-    points = [dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster)
-              for p in POINTS]
+    points = [dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster,
+                   PAGE_STAGING=staging) for p in POINTS]
     if one_wave:  # the cooperative combine's policy (and its twins')
         points = [dict(p, SPLIT_POLICY="waves", SPLITS=1) for p in points]
     cands: list[Candidate] = [make_candidate(space(), p, problem, arch) for p in points
@@ -120,6 +121,24 @@ def test_clusters(head_dim: int, dtype: str, paged: bool, cluster: int, combine:
     check_cases(ks, head_dim, torch_dtype, paged)
 
 
+@pytest.mark.parametrize("merge, combine, items, cluster", [
+    ("slices", "kernel", 1, 1), ("atomic", "kernel", 1, 1), ("slices", "fused", 4, 1),
+    ("slices", "fused", 1, 2)])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_page_staging(head_dim: int, dtype: str, merge: str, combine: str, items: int,
+                      cluster: int) -> None:
+    """PAGE_STAGING "smem" on every point and case: pages of 16 to 256 keys, smaller than a
+    tile (several a tile's slot), as large and larger (one), with both merges and combines,
+    and in clusters (sm_90)."""
+    if cluster > 1 and gpu_arch().sm < 90:
+        pytest.skip("thread block clusters are sm_90's")
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    ks = kernels(head_dim, dtype, True, merge, combine, items, cluster, staging="smem")
+    assert ks and all(k.candidate.params["PAGE_STAGING"] == "smem" for k in ks)
+    check_cases(ks, head_dim, torch_dtype, True)
+
+
 @pytest.mark.parametrize("cluster", [4, 8])
 def test_clusters_are_sized_to_one_wave(cluster: int) -> None:
     """The waves policy in clusters: the driver says how many clusters fit at once, fewer than
@@ -153,8 +172,8 @@ def other_kernels(head_dim: int, paged: bool, combine: str) -> list[DecodeKernel
     without spills."""
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE="bf16", PAGED=paged)
-    points = [dict(p, MERGE="slices", COMBINE=combine, COMBINE_ITEMS=1, CLUSTER=1)
-              for p in POINTS]
+    points = [dict(p, MERGE="slices", COMBINE=combine, COMBINE_ITEMS=1, CLUSTER=1,
+                   PAGE_STAGING="regs") for p in POINTS]
     points = [p for p in points if not space().violations(p, problem, arch)]
     drawn = [p for p in space().admitted(problem, arch)
              if p["MERGE"] == "slices" and p["COMBINE"] == combine]
