@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from evoengine import paths, validate
-from evoengine.arch import get_arch
+from evoengine.arch import Arch, get_arch
 from evoengine.compile import compile_candidate
 from evoengine.launch.decode import (
     MAX_DECODE_SPLITS,
@@ -28,10 +28,25 @@ from evoengine.launch.decode import (
 from evoengine.launch.dispatch import Entry
 from evoengine.problems import problem, workload_from_dict, workload_from_key
 from evoengine.problems.decode import Decode, DecodeWorkload, bandwidth_fraction
-from evoengine.render import make_candidate, render
+from evoengine.render import Candidate, make_candidate, render
 from evoengine.space import SearchSpace
 
 SPACE = paths.SPACES / "decode.toml"
+
+
+def clean_build(cand: Candidate, target: Arch) -> list[str]:
+    """Compiles ``cand`` and asserts no spill and, where cuobjdump is found, no local memory in
+    the main kernel; its SASS opcodes (none without cuobjdump)."""
+    from tests.test_backward import CUOBJDUMP, sass_opcodes
+
+    result = compile_candidate(cand, target)
+    assert result.ok, result.error
+    assert result.spill_bytes == 0, f"{cand.identity} spills on {target.name}"
+    if CUOBJDUMP is None:
+        return []
+    ops = sass_opcodes(result.cubin or b"", "attn_decode")
+    assert "LDL" not in ops and "STL" not in ops, cand.identity
+    return ops
 
 
 def test_workload_key_round_trips() -> None:
@@ -149,8 +164,6 @@ def test_compiles_offline_without_spills(arch: str, paged: bool, merge: str,
     (ATOMS.CAST.SPIN) per value a thread adds, 2 x BLOCK_M / 16 x HEAD_DIM / 8 of them, and the
     slices merge has no shared atomic at all; the fused combine adds one global atomic (the
     count) and its two fences to the main kernel, and the kernel combine none."""
-    from tests.test_backward import CUOBJDUMP, sass_opcodes
-
     space = SearchSpace.load(SPACE).with_untested()
     target = get_arch(arch)
     for head_dim, dtype, params in [
@@ -168,13 +181,9 @@ def test_compiles_offline_without_spills(arch: str, paged: bool, merge: str,
         assert f"MERGE_SLICES = {str(merge == 'slices').lower()}" in source
         assert f"COMBINE_FUSED = {str(combine == 'fused').lower()}" in source
         assert f"COMBINE_ITEMS = {items};" in source
-        result = compile_candidate(cand, target)
-        assert result.ok, result.error
-        assert result.spill_bytes == 0, f"{cand.identity} spills on {arch}"
-        if CUOBJDUMP is None:
+        ops = clean_build(cand, target)
+        if not ops:
             continue
-        ops = sass_opcodes(result.cubin or b"", "attn_decode")
-        assert "LDL" not in ops and "STL" not in ops, cand.identity
         adds = 2 * int(params["BLOCK_M"]) // 16 * head_dim // 8 * 2  # type: ignore[call-overload]
         assert ops.count("ATOMS") == (adds if merge == "atomic" else 0), cand.identity
         fused = combine == "fused"
@@ -188,8 +197,6 @@ def test_page_staging_builds_without_spills(arch: str) -> None:
     a ring of 2 STAGES - 1 slots after the K/V ring, which the space's shared memory counts: the
     kernel asserts the same sum), it compiles without spills or local memory, as its "regs" twin
     does."""
-    from tests.test_backward import CUOBJDUMP, sass_opcodes
-
     space = SearchSpace.load(SPACE)
     target = get_arch(arch)
     base = dict(BLOCK_M=16, VEC_BYTES=16, L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves",
@@ -209,12 +216,7 @@ def test_page_staging_builds_without_spills(arch: str) -> None:
         regs = make_candidate(space, dict(params, PAGE_STAGING="regs"), problem_, target)
         assert int(smem.derived["SMEM_BYTES"]) > int(regs.derived["SMEM_BYTES"])  # type: ignore[call-overload]
         for cand in (smem, regs):
-            result = compile_candidate(cand, target)
-            assert result.ok, result.error
-            assert result.spill_bytes == 0, f"{cand.identity} spills on {arch}"
-            if CUOBJDUMP is not None:
-                ops = sass_opcodes(result.cubin or b"", "attn_decode")
-                assert "LDL" not in ops and "STL" not in ops, cand.identity
+            clean_build(cand, target)
 
 
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90a"])
@@ -225,8 +227,6 @@ def test_rows_of_no_power_of_two_copies_are_copied_by_index(arch: str, head_dim:
     """d96 is 12 16-byte copies a row (d80 10, d112 14), which no thread count splits: such
     points copy K and V by index (and were refused before); their registers are bounded by a
     constraint of their own; one compiles with no spill or local memory."""
-    from tests.test_backward import CUOBJDUMP, sass_opcodes
-
     space = SearchSpace.load(SPACE)
     target = get_arch(arch)
     problem_ = {"HEAD_DIM": head_dim, "DTYPE": "fp16", "PAGED": paged}
@@ -239,12 +239,7 @@ def test_rows_of_no_power_of_two_copies_are_copied_by_index(arch: str, head_dim:
     assert "constexpr bool COLUMNS = THREADS % ROW_VECS == 0;" in render(cand)
     copies = -(-block_n * head_dim // 8 // threads)
     assert int(cand.derived["ROWS_PER_THREAD"]) == copies  # type: ignore[call-overload]
-    result = compile_candidate(cand, target)
-    assert result.ok, result.error
-    assert result.spill_bytes == 0, f"{cand.identity} spills on {arch}"
-    if CUOBJDUMP is not None:
-        ops = sass_opcodes(result.cubin or b"", "attn_decode")
-        assert "LDL" not in ops and "STL" not in ops, cand.identity
+    clean_build(cand, target)
     many = {**params, "BLOCK_N": 64, "BLOCK_M": 32, "NUM_WARPS": 2, "VEC_BYTES": 8}  # 24 copies
     assert any("copies by index" in b for b in space.violations(
         many, {**problem_, "HEAD_DIM": 96}, target))
@@ -596,8 +591,6 @@ def test_clusters_build_on_sm90_only() -> None:
     """CLUSTER > 1 (an [untested] value until its GPU tests pass) is sm_90's, after the slices
     merge; on sm_90a it compiles without spills or local memory for both combines, with the
     cluster shape in the kernel's declaration, which CLUSTER 1 leaves as it was."""
-    from tests.test_backward import CUOBJDUMP, sass_opcodes
-
     space = SearchSpace.load(SPACE).with_untested()
     base = dict(BLOCK_N=128, BLOCK_M=32, NUM_WARPS=8, STAGES=2, VEC_BYTES=16, L2_PREFETCH=0,
                 MERGE="slices", SPLIT_POLICY="waves", SPLITS=1, CLUSTER=4)
@@ -612,12 +605,7 @@ def test_clusters_build_on_sm90_only() -> None:
                    dict(fused, BLOCK_M=16, NUM_WARPS=4, BLOCK_N=64, STAGES=4, CLUSTER=2)):
         cand = make_candidate(space, params, problem_, target)
         assert "__cluster_dims__(cfg::CLUSTER, 1, 1)" in render(cand)
-        result = compile_candidate(cand, target)
-        assert result.ok, result.error
-        assert result.spill_bytes == 0, cand.identity
-        if CUOBJDUMP is not None:
-            ops = sass_opcodes(result.cubin or b"", "attn_decode")
-            assert "LDL" not in ops and "STL" not in ops, cand.identity
+        clean_build(cand, target)
     plain = make_candidate(space, dict(fused, CLUSTER=1), problem_, target)
     assert "__cluster_dims__" not in render(plain)
 
