@@ -123,7 +123,7 @@ def test_clusters(head_dim: int, dtype: str, paged: bool, cluster: int, combine:
 
 @pytest.mark.parametrize("merge, combine, items, cluster", [
     ("slices", "kernel", 1, 1), ("atomic", "kernel", 1, 1), ("slices", "fused", 4, 1),
-    ("slices", "fused", 1, 2)])
+    ("slices", "fused", 1, 2), ("slices", "cooperative", 1, 1)])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_page_staging(head_dim: int, dtype: str, merge: str, combine: str, items: int,
@@ -134,9 +134,35 @@ def test_page_staging(head_dim: int, dtype: str, merge: str, combine: str, items
     if cluster > 1 and gpu_arch().sm < 90:
         pytest.skip("thread block clusters are sm_90's")
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    ks = kernels(head_dim, dtype, True, merge, combine, items, cluster, staging="smem")
+    ks = kernels(head_dim, dtype, True, merge, combine, items, cluster,
+                 one_wave=combine == "cooperative", staging="smem")
     assert ks and all(k.candidate.params["PAGE_STAGING"] == "smem" for k in ks)
     check_cases(ks, head_dim, torch_dtype, True)
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_page_staging_is_the_registers_bit_for_bit(page_size: int) -> None:
+    """Where the page numbers wait changes no arithmetic: each "smem" point gives its "regs"
+    twin's bits (out and lse) on shuffled pages smaller than, as large as and larger than its
+    tiles, ragged lengths with 0, one split and many."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    pairs = list(zip(kernels(128, "bf16", True, "slices", "fused", staging="smem"),
+                     kernels(128, "bf16", True, "slices", "fused"), strict=True))
+    assert pairs
+    for batch, lengths, q_len, heads in ((3, [4099, 0, 700], 4, 32), (1, [30000], 1, 64)):
+        cap = -(-max(lengths) // page_size) * page_size
+        k, v, lens, table = validate.decode_cache(batch, lengths, cap, 8, 128, torch.bfloat16,
+                                                  paged=True, page_size=page_size, gen=gen,
+                                                  device="cuda")
+        q = torch.randn(batch, q_len, heads, 128, device="cuda", dtype=torch.bfloat16,
+                        generator=gen)
+        for smem, regs in pairs:
+            lse_s = torch.full((batch, heads, q_len), float("nan"), device="cuda")
+            lse_r = torch.full_like(lse_s, float("nan"))
+            out_s = smem(q, k, v, lens, table, lse=lse_s)
+            out_r = regs(q, k, v, lens, table, lse=lse_r)
+            assert torch.equal(out_s, out_r), (smem.name, page_size, lengths)
+            assert torch.equal(lse_s, lse_r), (smem.name, page_size, lengths)
 
 
 @pytest.mark.parametrize("cluster", [4, 8])
