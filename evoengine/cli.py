@@ -741,3 +741,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("evoengine: interrupted", file=sys.stderr)
         return 130
+
+
+if __name__ == "__main__":  # ``python -m evoengine.cli`` as ``python -m evoengine``
+    raise SystemExit(main())

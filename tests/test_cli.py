@@ -166,6 +166,18 @@ def test_python_m_matches_the_script() -> None:
     assert a.stdout.replace("evoengine", "") == b.stdout.replace("evoengine", "")
 
 
+def test_python_m_evoengine_cli_is_the_command_too() -> None:
+    """``python -m evoengine.cli`` (the module's name) runs the command rather than importing
+    the module and exiting 0 with no output; a bad call fails in one line, as the script's."""
+    cli = subprocess.run([sys.executable, "-m", "evoengine.cli", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0 and cli.stdout == run("--help").stdout
+    bad = subprocess.run([sys.executable, "-m", "evoengine.cli", "search", "--kind", "decode"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "search needs a workload" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_list_and_show_read_the_store(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'e.db'}"
     with Store(url) as store:
