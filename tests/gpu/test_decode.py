@@ -140,6 +140,17 @@ def test_page_staging(head_dim: int, dtype: str, merge: str, combine: str, items
     check_cases(ks, head_dim, torch_dtype, True)
 
 
+@pytest.mark.parametrize("staging", ["regs", "smem"])
+def test_pages_of_a_few_keys(staging: str) -> None:
+    """Pages of 1, 2 and 8 keys (a token-level page table, as some servers keep): every key row
+    of a tile in a page of its own, on every point, q_len 1 and 4, GQA 32/8, ragged with 0."""
+    ks = kernels(128, "fp16", True, "slices", "fused", staging=staging)
+    assert ks
+    check_cases(ks, 128, torch.float16, True, [((0, 3, 700, 1531), 4, 32, 8, 1),
+                                               ((1, 129, 4099), 1, 32, 8, 2),
+                                               ((333, 17), 4, 32, 8, 8)])
+
+
 @pytest.mark.parametrize("page_size", [16, 64, 256])
 def test_page_staging_is_the_registers_bit_for_bit(page_size: int) -> None:
     """Where the page numbers wait changes no arithmetic: each "smem" point gives its "regs"
