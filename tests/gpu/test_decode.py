@@ -160,20 +160,27 @@ def test_page_staging_is_the_registers_bit_for_bit(page_size: int) -> None:
     pairs = list(zip(kernels(128, "bf16", True, "slices", "fused", staging="smem"),
                      kernels(128, "bf16", True, "slices", "fused"), strict=True))
     assert pairs
-    for batch, lengths, q_len, heads in ((3, [4099, 0, 700], 4, 32), (1, [30000], 1, 64)):
+    same_bits(pairs, ((3, [4099, 0, 700], 4, 32), (1, [30000], 1, 64)), torch.bfloat16,
+              page_size, gen)
+
+
+def same_bits(pairs: list[tuple[DecodeKernel, DecodeKernel]], calls: tuple, dtype: torch.dtype,
+              page_size: int, gen: torch.Generator) -> None:
+    """Each pair gives the same bits (out and lse) on fresh paged inputs of each (batch,
+    lengths, q_len, heads) call, 8 KV heads, d128."""
+    for batch, lengths, q_len, heads in calls:
         cap = -(-max(lengths) // page_size) * page_size
-        k, v, lens, table = validate.decode_cache(batch, lengths, cap, 8, 128, torch.bfloat16,
+        k, v, lens, table = validate.decode_cache(batch, lengths, cap, 8, 128, dtype,
                                                   paged=True, page_size=page_size, gen=gen,
                                                   device="cuda")
-        q = torch.randn(batch, q_len, heads, 128, device="cuda", dtype=torch.bfloat16,
-                        generator=gen)
-        for smem, regs in pairs:
-            lse_s = torch.full((batch, heads, q_len), float("nan"), device="cuda")
-            lse_r = torch.full_like(lse_s, float("nan"))
-            out_s = smem(q, k, v, lens, table, lse=lse_s)
-            out_r = regs(q, k, v, lens, table, lse=lse_r)
-            assert torch.equal(out_s, out_r), (smem.name, page_size, lengths)
-            assert torch.equal(lse_s, lse_r), (smem.name, page_size, lengths)
+        q = torch.randn(batch, q_len, heads, 128, device="cuda", dtype=dtype, generator=gen)
+        for a, b in pairs:
+            lse_a = torch.full((batch, heads, q_len), float("nan"), device="cuda")
+            lse_b = torch.full_like(lse_a, float("nan"))
+            out_a = a(q, k, v, lens, table, lse=lse_a)
+            out_b = b(q, k, v, lens, table, lse=lse_b)
+            assert torch.equal(out_a, out_b), (a.name, page_size, lengths)
+            assert torch.equal(lse_a, lse_b), (a.name, page_size, lengths)
 
 
 @pytest.mark.parametrize("cluster", [4, 8])
@@ -286,21 +293,9 @@ def test_the_fused_combine_is_the_combine_kernel_bit_for_bit(items: int) -> None
     if items == 1:  # and the cooperative combine, the same arithmetic by other blocks
         pairs += _cooperative_and_kernel()
     assert pairs
-    for batch, lengths, q_len, heads in ((3, [4099, 1, 700], 4, 32), (1, [30000], 1, 64),
-                                         (5, [0, 5, 64, 65, 2000], 16, 8), (2, [9, 8191], 1, 8)):
-        cap = -(-max(lengths) // 64) * 64
-        k, v, lens, table = validate.decode_cache(batch, lengths, cap, 8, 128, torch.float16,
-                                                  paged=True, page_size=64, gen=gen,
-                                                  device="cuda")
-        q = torch.randn(batch, q_len, heads, 128, device="cuda", dtype=torch.float16,
-                        generator=gen)
-        for fused, kernel in pairs:
-            lse_f = torch.full((batch, heads, q_len), float("nan"), device="cuda")
-            lse_k = torch.full_like(lse_f, float("nan"))
-            out_f = fused(q, k, v, lens, table, lse=lse_f)
-            out_k = kernel(q, k, v, lens, table, lse=lse_k)
-            assert torch.equal(out_f, out_k), (fused.name, lengths)
-            assert torch.equal(lse_f, lse_k), (fused.name, lengths)
+    same_bits(pairs, ((3, [4099, 1, 700], 4, 32), (1, [30000], 1, 64),
+                      (5, [0, 5, 64, 65, 2000], 16, 8), (2, [9, 8191], 1, 8)),
+              torch.float16, 64, gen)
 
 
 @pytest.mark.parametrize("combine", ["fused", "cooperative"])
