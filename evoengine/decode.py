@@ -35,6 +35,7 @@ class DecodeKernel(CudaDecode):
             threads=candidate.threads, smem_bytes=candidate.smem_bytes,
             split_policy=str(params["SPLIT_POLICY"]), splits=int(params["SPLITS"]),  # type: ignore[call-overload]
             combine=str(params["COMBINE"]), cluster=int(params.get("CLUSTER", 1)),  # type: ignore[call-overload]
+            combine_launch=str(params.get("COMBINE_LAUNCH", "stream")),
             arch=compiled.arch, cubin=cubin)
         self.candidate = candidate
         self.compiled = compiled

@@ -656,6 +656,66 @@ def test_the_cooperative_combine_builds_for_one_wave_of_every_target() -> None:
         assert space.violations(bad, problem_, target), bad
 
 
+def test_the_programmatic_combine_launch_waits_for_the_main_kernel() -> None:
+    """COMBINE_LAUNCH "programmatic" is the kernel combine's on sm_90: the main kernel lets its
+    dependents launch (griddepcontrol.launch_dependents, SASS PREEXIT) and the combine waits for
+    its completion (griddepcontrol.wait, ACQBULK) before reading a part; "stream" builds
+    neither. Refused elsewhere with the reason."""
+    from tests.test_backward import CUOBJDUMP, sass_opcodes
+
+    space = SearchSpace.load(SPACE).with_untested()
+    problem_ = {"HEAD_DIM": 128, "DTYPE": "bf16", "PAGED": True}
+    params = space.complete(dict(BLOCK_N=128, BLOCK_M=32, NUM_WARPS=8, STAGES=3, VEC_BYTES=16,
+                                 L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
+                                 COMBINE="kernel", COMBINE_ITEMS=1, CLUSTER=2,
+                                 COMBINE_LAUNCH="programmatic"))
+    target = get_arch("sm_90a")
+    assert not space.violations(params, problem_, target)
+    for bad, arch in ((dict(params, CLUSTER=1), "sm_89"), (dict(params, COMBINE="fused"), "sm_90a"),
+                      (dict(params, COMBINE="cooperative", CLUSTER=1), "sm_90a")):
+        assert any("programmatic launch" in why
+                   for why in space.violations(bad, problem_, get_arch(arch))), bad
+    for launch in ("programmatic", "stream"):
+        cand = make_candidate(space, dict(params, COMBINE_LAUNCH=launch), problem_, target)
+        assert (f"COMBINE_PDL = {'true' if launch == 'programmatic' else 'false'};"
+                in render(cand))
+        clean_build(cand, target)
+        if CUOBJDUMP is not None:
+            cubin = compile_candidate(cand, target).cubin or b""
+            main = sass_opcodes(cubin, "attn_decode")
+            combine = sass_opcodes(cubin, "attn_decode_combine")
+            assert ("PREEXIT" in main) == ("ACQBULK" in combine) == (launch == "programmatic")
+
+
+def test_the_programmatic_combine_launch_is_the_main_kernels_dependent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's side of COMBINE_LAUNCH, driver faked: "programmatic" launches the combine
+    through cuLaunchKernelEx with programmatic serialization (no ``extra``), the main kernel as
+    before; with one split, no combine at all. The launcher refuses it beside another combine."""
+    import evoengine.launch.decode as launch_decode
+
+    stream = [7001]
+    k, fake = _fake_decode("kernel", monkeypatch, stream)
+    k.programmatic = True
+    programmatic: list[int] = []
+
+    def pdl(loaded: object, args: tuple) -> None:
+        programmatic.append(len(args))
+        fake(loaded, (*args, 0))
+    monkeypatch.setattr(launch_decode, "launch_programmatic_in_context", pdl)
+    _launch(k)
+    assert [e for e, _, _ in fake.launches] == ["main", "combine"] and programmatic == [10]
+    assert fake.parts == [4]
+    fake.launches.clear()
+    k.splits = 1
+    _launch(k)
+    assert fake.launches == [("main", 0, None)] and programmatic == [10]
+    with pytest.raises(ValueError, match="'programmatic' only with the kernel combine"):
+        CudaDecode("d", head_dim=128, dtype="fp16", paged=False, block_m=16, block_n=64,
+                   threads=128, smem_bytes=1024, split_policy="fixed", splits=4,
+                   combine="fused", combine_launch="programmatic")
+
+
 def test_flashinfer_is_an_anchor_that_steps_aside_where_it_does_not_import(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """FlashInfer is one of decode's anchors; where its wheel (or its JIT toolchain) does not

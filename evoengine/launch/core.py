@@ -327,6 +327,57 @@ def launch_cooperative_in_context(loaded: Loaded, args: tuple) -> None:
     in_context(loaded, loaded.launch_cooperative, *args)
 
 
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h), for the driver's calls that cupy does not wrap. A kernel built
+    with __cluster_dims__ carries its cluster shape, which the driver takes from the kernel."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute (cuda.h): an id, padded to 8 bytes, then a 64-byte union of values."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_int * 16)]
+
+
+# cuda.h: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+@functools.cache
+def libcuda() -> ctypes.CDLL:
+    """The driver library (OSError where there is none)."""
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def launch_programmatic(fn: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
+                        smem_bytes: int, stream: int, params: int) -> None:
+    """cuLaunchKernelEx with programmatic stream serialization (sm_90): the kernel may start
+    once every block of the kernel before it on the stream has started or run
+    ``griddepcontrol.launch_dependents``, and must run ``griddepcontrol.wait`` (which returns
+    when that kernel has completed and its writes are visible) before it reads what that kernel
+    wrote. Captured into a CUDA graph, it is a programmatic edge. ``params``: the address of
+    the kernel's pointer array, as cuLaunchKernel takes it."""
+    attr = LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    config = LaunchConfig((gx, gy, gz), (bx, by, bz), smem_bytes, stream,
+                          ctypes.addressof(attr), 1)
+    err = libcuda().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(fn),
+                                     ctypes.c_void_p(params), None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernelEx with programmatic serialization failed: "
+                           f"CUDA driver error {err}")
+
+
+def launch_programmatic_in_context(loaded: Loaded, args: tuple) -> None:
+    """``launch_programmatic`` in the kernel's device context: ``args`` as
+    ``launch_in_context``'s, without the trailing ``extra``."""
+    in_context(loaded, launch_programmatic, *args)
+
+
 def in_context(loaded: Loaded, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` (a driver or runtime call) in the kernel's device context, whatever
     context the thread has; its result."""

@@ -28,6 +28,9 @@ Kernel ABI (two entries of one cubin, launched in order on torch's current strea
   which launches
 - ``attn_decode_combine(O_part, LSE_part, O, LSE, batch, q_len, q_heads, parts, o_sb, o_ss,
   o_sh)`` on ceil(B * q_len * H * D / 4 / 256) blocks of 256 threads: merges the parts.
+  Built with COMBINE_LAUNCH "programmatic" (sm_90), it is launched as attn_decode's
+  programmatic dependent (``launch_programmatic``): attn_decode lets it launch at its start,
+  and it waits for attn_decode's completion (griddepcontrol.wait) before reading a part.
 
 Value checks (``check=True``, the default): cache lengths within [0, capacity] and the block
 table entries that a sequence's length reaches within [0, num_pages) are checked on the
@@ -51,6 +54,7 @@ from evoengine.launch.core import (
     KERNEL_DTYPES,
     LOG2E,
     MAX_GRID_YZ,
+    LaunchConfig,
     NoKernelError,
     ParamBuffer,
     check_aligned,
@@ -62,6 +66,8 @@ from evoengine.launch.core import (
     in_context,
     launch_cooperative_in_context,
     launch_in_context,
+    launch_programmatic_in_context,
+    libcuda,
     raw_stream,
     sdpa_attention,
     sm_count,
@@ -77,6 +83,10 @@ MAX_DECODE_Q_LEN = 16
 MAX_DECODE_SPLITS = 256  # parts are fp32 [splits, B, q_len, H, D]: bounded memory
 SPLIT_POLICIES = ("waves", "fixed")
 COMBINES = ("kernel", "fused", "cooperative")
+# How the combine kernel is launched: "stream", after the main kernel ends; "programmatic"
+# (sm_90, COMBINE "kernel"), as the main kernel's dependent, so its launch overlaps the main
+# kernel's and it waits (griddepcontrol.wait) only for that kernel's completion.
+COMBINE_LAUNCHES = ("stream", "programmatic")
 
 
 class DecodeShape(NamedTuple):
@@ -261,15 +271,6 @@ def resident_blocks(fn: int, threads: int, smem_bytes: int, index: int) -> int:
         return max(1, per_sm // max(1, smem_bytes + 1024))  # 1 KB the runtime keeps per block
 
 
-class _LaunchConfig(ctypes.Structure):
-    """CUlaunchConfig (cuda.h) without attributes: a kernel built with __cluster_dims__ carries
-    its cluster shape, which the driver then takes from the kernel."""
-
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("shared_mem_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
-
-
 def resident_clusters(fn: int, threads: int, smem_bytes: int, cluster: int) -> int | None:
     """Thread block clusters of ``cluster`` blocks of a kernel (built with that cluster shape)
     that the current device holds at once: the driver's cuOccupancyMaxActiveClusters, called
@@ -277,10 +278,9 @@ def resident_clusters(fn: int, threads: int, smem_bytes: int, cluster: int) -> i
     where the driver cannot say. A cluster stays inside one GPC, so fewer fit than SMs x blocks
     per SM / cluster: 15 of 8 on the H100's 132 SMs."""
     try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        config = _LaunchConfig((cluster, 1, 1), (threads, 1, 1), smem_bytes, None, None, 0)
+        config = LaunchConfig((cluster, 1, 1), (threads, 1, 1), smem_bytes, None, None, 0)
         n = ctypes.c_int(0)
-        err = libcuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn),
+        err = libcuda().cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn),
                                                    ctypes.byref(config))
     except (OSError, AttributeError):  # no driver, or one without clusters
         return None
@@ -329,7 +329,8 @@ class CudaDecode:
 
     def __init__(self, name: str, *, head_dim: int, dtype: str, paged: bool, block_m: int,
                  block_n: int, threads: int, smem_bytes: int, split_policy: str, splits: int,
-                 combine: str = "kernel", cluster: int = 1, arch: str | None = None,
+                 combine: str = "kernel", cluster: int = 1, combine_launch: str = "stream",
+                 arch: str | None = None,
                  cubin: bytes | None = None, source: str | None = None,
                  defines: Mapping[str, int] | None = None) -> None:
         if split_policy not in SPLIT_POLICIES:
@@ -337,6 +338,11 @@ class CudaDecode:
                              f"got {split_policy!r}")
         if combine not in COMBINES:
             raise ValueError(f"kernel {name}: combine must be one of {COMBINES}, got {combine!r}")
+        if combine_launch not in COMBINE_LAUNCHES or (combine_launch == "programmatic"
+                                                      and combine != "kernel"):
+            raise ValueError(f"kernel {name}: combine_launch must be one of {COMBINE_LAUNCHES}, "
+                             f"'programmatic' only with the kernel combine; got "
+                             f"{combine_launch!r} with {combine!r}")
         common: dict[str, Any] = dict(head_dim=head_dim, dtype=dtype, causal=True,
                                       block_m=block_m, arch=arch, cubin=cubin, source=source,
                                       defines=defines)
@@ -355,6 +361,9 @@ class CudaDecode:
         # Splits per thread block cluster, compiled in: a call's splits are a multiple of it,
         # and each cluster writes one part.
         self.cluster = int(cluster)
+        # The combine kernel launched as the main kernel's programmatic dependent (its source
+        # waits with griddepcontrol.wait: built with COMBINE_LAUNCH "programmatic").
+        self.programmatic = combine_launch == "programmatic"
         self._slots: dict[int, int] = {}  # per device: blocks of one wave (wave_slots)
 
     @classmethod
@@ -367,7 +376,8 @@ class CudaDecode:
                    threads=spec["threads"], smem_bytes=spec["smem_bytes"],
                    split_policy=params["SPLIT_POLICY"], splits=params["SPLITS"],
                    combine=params.get("COMBINE", "kernel"),
-                   cluster=params.get("CLUSTER", 1), arch=arch,
+                   cluster=params.get("CLUSTER", 1),
+                   combine_launch=params.get("COMBINE_LAUNCH", "stream"), arch=arch,
                    cubin=cubin, source=source, defines=spec.get("defines"))
 
     def __repr__(self) -> str:
@@ -465,9 +475,12 @@ class CudaDecode:
                                              out.data_ptr(), ptr(lse), b, q_len, h, parts,
                                              out.stride(0), out.stride(1), out.stride(2))
             threads = b * q_len * h * (d // 4)
-            launch_in_context(combine, (combine.fn, -(-threads // DECODE_COMBINE_THREADS), 1, 1,
-                                         DECODE_COMBINE_THREADS, 1, 1, 0, stream,
-                                         ctypes.addressof(cargs[1]), 0))
+            cgrid = (combine.fn, -(-threads // DECODE_COMBINE_THREADS), 1, 1,
+                     DECODE_COMBINE_THREADS, 1, 1, 0, stream, ctypes.addressof(cargs[1]))
+            if self.programmatic:
+                launch_programmatic_in_context(combine, cgrid)
+            else:
+                launch_in_context(combine, (*cgrid, 0))
         del part, lse_part  # only now: both launches have read their addresses
 
 

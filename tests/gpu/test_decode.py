@@ -8,7 +8,8 @@ the warps (MERGE: slices, and the legacy atomics) and, after the slices merge, b
 the splits (COMBINE: the combine kernel, and fused into the last block of each group, merging
 one or several quads a thread at once: COMBINE_ITEMS); on sm_90, the splits in thread block
 clusters that merge through distributed shared memory (CLUSTER), with one cluster of every
-split and several, and clusters whose splits outnumber the cache's tiles; paged, the tiles'
+split and several, and clusters whose splits outnumber the cache's tiles, and the combine
+kernel launched as the main kernel's programmatic dependent (COMBINE_LAUNCH); paged, the tiles'
 page numbers staged in shared memory (PAGE_STAGING "smem") as well as in registers.
 """
 
@@ -76,11 +77,12 @@ def space() -> SearchSpace:
 @functools.cache
 def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
             combine: str = "kernel", items: int = 1, cluster: int = 1,
-            one_wave: bool = False, staging: str = "regs") -> list[DecodeKernel]:
+            one_wave: bool = False, staging: str = "regs",
+            launch: str = "stream") -> list[DecodeKernel]:
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
     points = [dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster,
-                   PAGE_STAGING=staging) for p in POINTS]
+                   PAGE_STAGING=staging, COMBINE_LAUNCH=launch) for p in POINTS]
     if one_wave:  # the cooperative combine's policy (and its twins')
         points = [dict(p, SPLIT_POLICY="waves", SPLITS=1) for p in points]
     cands: list[Candidate] = [make_candidate(space(), p, problem, arch) for p in points
@@ -162,6 +164,57 @@ def test_page_staging_is_the_registers_bit_for_bit(page_size: int) -> None:
     assert pairs
     same_bits(pairs, ((3, [4099, 0, 700], 4, 32), (1, [30000], 1, 64)), torch.bfloat16,
               page_size, gen)
+
+
+@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_the_programmatic_combine_launch(head_dim: int, dtype: str, paged: bool,
+                                         cluster: int) -> None:
+    """COMBINE_LAUNCH "programmatic" (sm_90): the combine kernel launched as the main kernel's
+    dependent, on every point and case, with and without clusters."""
+    if gpu_arch().sm < 90:
+        pytest.skip("a programmatic launch is sm_90's")
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    ks = kernels(head_dim, dtype, paged, cluster=cluster, launch="programmatic")
+    assert ks and all(k.programmatic for k in ks)
+    check_cases(ks, head_dim, torch_dtype, paged)
+
+
+def test_the_programmatic_combine_is_the_streams_bit_for_bit_and_replays() -> None:
+    """The programmatic launch changes when the combine starts, not what it computes: each
+    point gives its "stream" twin's bits over calls of fresh inputs one after another on one
+    stream (a combine that read its parts before the main kernel finished would find the last
+    call's), and a captured call replays to the eager answer."""
+    if gpu_arch().sm < 90:
+        pytest.skip("a programmatic launch is sm_90's")
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    pairs = [(a, b) for a, b in zip(kernels(128, "bf16", True, launch="programmatic"),
+                                    kernels(128, "bf16", True), strict=True)
+             if a.split_policy == "waves" or a.splits > 1]
+    assert pairs
+    same_bits(pairs, ((3, [4099, 0, 700], 4, 32), (1, [30000], 1, 64), (1, [30000], 1, 64),
+                      (5, [0, 5, 64, 65, 2000], 16, 8)), torch.bfloat16, 64, gen)
+    pdl = pairs[0][0]
+    k, v, lens, table = validate.decode_cache(2, [8000, 3000], 8000, 8, 128, torch.bfloat16,
+                                              paged=True, page_size=64, gen=gen, device="cuda")
+    q = torch.randn(2, 4, 64, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    want = pdl(q, k, v, lens, table)
+    out = torch.empty_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture, as torch asks
+        pdl(q, k, v, lens, table, out=out, check=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pdl(q, k, v, lens, table, out=out, check=False)
+    for _ in range(5):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
 
 
 def same_bits(pairs: list[tuple[DecodeKernel, DecodeKernel]], calls: tuple, dtype: torch.dtype,
