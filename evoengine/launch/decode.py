@@ -476,7 +476,8 @@ class CudaDecode:
                                              out.stride(0), out.stride(1), out.stride(2))
             threads = b * q_len * h * (d // 4)
             cgrid = (combine.fn, -(-threads // DECODE_COMBINE_THREADS), 1, 1,
-                     DECODE_COMBINE_THREADS, 1, 1, 0, stream, ctypes.addressof(cargs[1]))
+                     DECODE_COMBINE_THREADS, 1, 1, self.combine.smem_bytes, stream,
+                     ctypes.addressof(cargs[1]))
             if self.programmatic:
                 launch_programmatic_in_context(combine, cgrid)
             else:
