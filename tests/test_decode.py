@@ -687,6 +687,22 @@ def test_the_programmatic_combine_launch_waits_for_the_main_kernel() -> None:
             assert ("PREEXIT" in main) == ("ACQBULK" in combine) == (launch == "programmatic")
 
 
+def test_a_programmatic_combine_spreads_over_the_sms() -> None:
+    """The shared memory a programmatic combine asks for holds an SM to ceil(blocks / SMs) of
+    its blocks (the runtime keeps 1 KB a block besides), none where the threads hold it there."""
+    from evoengine.launch.decode import combine_spread_smem
+
+    sm = 233472  # sm_90's 228 KB an SM
+    for blocks in (1, 8, 32, 132, 133, 256, 500, 1000):
+        smem = combine_spread_smem(blocks, 132, sm)
+        cap = -(-blocks // 132)
+        if cap * 256 >= 2048:
+            assert smem == 0
+            continue
+        assert cap * (smem + 1024) <= sm < (cap + 1) * smem, blocks
+    assert combine_spread_smem(32, 132, sm) == sm // 2 + 1
+
+
 def test_the_programmatic_combine_launch_is_the_main_kernels_dependent(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher's side of COMBINE_LAUNCH, driver faked: "programmatic" launches the combine
@@ -701,10 +717,15 @@ def test_the_programmatic_combine_launch_is_the_main_kernels_dependent(
 
     def pdl(loaded: object, args: tuple) -> None:
         programmatic.append(len(args))
+        smem.append(args[7])
         fake(loaded, (*args, 0))
+    smem: list[int] = []
     monkeypatch.setattr(launch_decode, "launch_programmatic_in_context", pdl)
+    monkeypatch.setattr(launch_decode, "sm_count", lambda index: 132)
+    monkeypatch.setattr(launch_decode, "sm_shared_memory", lambda index: 233472)
     _launch(k)
     assert [e for e, _, _ in fake.launches] == ["main", "combine"] and programmatic == [10]
+    assert smem == [233472 // 2 + 1]  # 2 blocks on 132 SMs: one an SM at most
     assert fake.parts == [4]
     fake.launches.clear()
     k.splits = 1

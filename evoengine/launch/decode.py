@@ -42,6 +42,7 @@ sequence's length are never read and not checked.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
@@ -296,6 +297,28 @@ def wave_slots(block_slots: int, clusters: int | None, cluster: int) -> int:
     return block_slots
 
 
+def combine_spread_smem(blocks: int, sms: int, sm_smem: int) -> int:
+    """Dynamic shared memory (bytes, unused) for a programmatic combine launch of ``blocks``
+    blocks on ``sms`` SMs of ``sm_smem`` bytes each, so that an SM holds at most
+    ceil(blocks / sms) of them: launched while the main kernel runs, they would otherwise pile
+    onto the few SMs it leaves free and merge there (on the H200, 2026-11-28, 32 blocks of the
+    q_len-4 batch-1 combine took 0.76-0.90x the stream launch's time that way, 1.02-1.05x spread;
+    ``experiments/2026-11-28-decode-programmatic/``). 0 where the threads bound it anyway."""
+    cap = -(-blocks // max(1, sms))
+    if cap * DECODE_COMBINE_THREADS >= 2048:  # an SM's threads (sm_80 to sm_90)
+        return 0
+    return sm_smem // (cap + 1) + 1
+
+
+@functools.cache
+def sm_shared_memory(index: int) -> int:
+    """Shared memory of one SM of CUDA device ``index``, in bytes."""
+    from cupy.cuda import runtime
+
+    return int(runtime.deviceGetAttribute(
+        runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, index))
+
+
 MIN_COUNTERS = 1024  # the smallest set of fused-combine counters allocated (4 KB)
 _COUNTERS: dict[tuple[int, int], Tensor] = {}  # (device index, stream) -> its counters
 _OUTGROWN: list[Tensor] = []  # replaced sets: a captured CUDA graph may still use them
@@ -396,6 +419,13 @@ class CudaDecode:
                 clusters = in_context(loaded, resident_clusters, loaded.fn, self.main.threads,
                                       self.main.smem_bytes, self.cluster)
             self._slots[index] = wave_slots(blocks, clusters, self.cluster)
+            if self.programmatic:  # the most combine_spread_smem asks for (one block an SM)
+                from cupy.cuda import driver
+
+                combine = self.combine.load(index)
+                in_context(combine, driver.funcSetAttribute, combine.fn,
+                           driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                           sm_shared_memory(index) // 2 + 1)
 
     def plan(self, shape: DecodeShape, index: int) -> tuple[int, int]:
         """(row chunks, splits) of a call: the grid's second and first dimensions' factors."""
@@ -474,12 +504,12 @@ class CudaDecode:
             cargs = DECODE_COMBINE_ARGS.pack(part.data_ptr(), lse_part.data_ptr(),  # type: ignore[union-attr]
                                              out.data_ptr(), ptr(lse), b, q_len, h, parts,
                                              out.stride(0), out.stride(1), out.stride(2))
-            threads = b * q_len * h * (d // 4)
-            cgrid = (combine.fn, -(-threads // DECODE_COMBINE_THREADS), 1, 1,
-                     DECODE_COMBINE_THREADS, 1, 1, self.combine.smem_bytes, stream,
+            blocks = -(-(b * q_len * h * (d // 4)) // DECODE_COMBINE_THREADS)
+            cgrid = (combine.fn, blocks, 1, 1, DECODE_COMBINE_THREADS, 1, 1, 0, stream,
                      ctypes.addressof(cargs[1]))
             if self.programmatic:
-                launch_programmatic_in_context(combine, cgrid)
+                smem = combine_spread_smem(blocks, sm_count(index), sm_shared_memory(index))
+                launch_programmatic_in_context(combine, (*cgrid[:7], smem, *cgrid[8:]))
             else:
                 launch_in_context(combine, (*cgrid, 0))
         del part, lse_part  # only now: both launches have read their addresses
