@@ -200,21 +200,28 @@ def test_the_programmatic_combine_is_the_streams_bit_for_bit_and_replays() -> No
     k, v, lens, table = validate.decode_cache(2, [8000, 3000], 8000, 8, 128, torch.bfloat16,
                                               paged=True, page_size=64, gen=gen, device="cuda")
     q = torch.randn(2, 4, 64, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    want = pdl(q, k, v, lens, table)
-    out = torch.empty_like(q)
+    replays_to_eager(pdl, (q, k, v, lens, table))
+
+
+def replays_to_eager(kernel: DecodeKernel, args: tuple) -> torch.Tensor:
+    """A call captured in a CUDA graph (after a warm-up off the capture, as torch asks) gives
+    the eager call's bits on each of 5 replays into a NaN-filled output; the eager answer."""
+    want = kernel(*args)
+    out = torch.empty_like(want)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture, as torch asks
-        pdl(q, k, v, lens, table, out=out, check=False)
+    with torch.cuda.stream(side):
+        kernel(*args, out=out, check=False)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        pdl(q, k, v, lens, table, out=out, check=False)
+        kernel(*args, out=out, check=False)
     for _ in range(5):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, want)
+        assert torch.equal(out, want), kernel.name
+    return want
 
 
 def same_bits(pairs: list[tuple[DecodeKernel, DecodeKernel]], calls: tuple, dtype: torch.dtype,
@@ -362,21 +369,7 @@ def test_the_fused_combine_replays_in_a_cuda_graph_and_on_two_streams(combine: s
                                               torch.float16, paged=True, page_size=64,
                                               gen=gen, device="cuda")
     q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.float16, generator=gen)
-    want = fused(q, k, v, lens, table)
-    out = torch.empty_like(q)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture, as torch asks
-        fused(q, k, v, lens, table, out=out, check=False)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused(q, k, v, lens, table, out=out, check=False)
-    for _ in range(5):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
+    want = replays_to_eager(fused, (q, k, v, lens, table))
     streams = [torch.cuda.Stream() for _ in range(2)]
     outs = [torch.empty_like(q) for _ in streams]
     for _ in range(3):
