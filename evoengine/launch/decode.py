@@ -29,8 +29,10 @@ Kernel ABI (two entries of one cubin, launched in order on torch's current strea
 - ``attn_decode_combine(O_part, LSE_part, O, LSE, batch, q_len, q_heads, parts, o_sb, o_ss,
   o_sh)`` on ceil(B * q_len * H * D / 4 / 256) blocks of 256 threads: merges the parts.
   Built with COMBINE_LAUNCH "programmatic" (sm_90), it is launched as attn_decode's
-  programmatic dependent (``launch_programmatic``): attn_decode lets it launch at its start,
-  and it waits for attn_decode's completion (griddepcontrol.wait) before reading a part.
+  programmatic dependent (``launch_programmatic``): attn_decode lets it launch once all its
+  blocks have started, its blocks ask for the shared memory that spreads them over the SMs
+  (``combine_spread_smem``), and each waits for attn_decode's completion
+  (griddepcontrol.wait) before reading a part.
 
 Value checks (``check=True``, the default): cache lengths within [0, capacity] and the block
 table entries that a sequence's length reaches within [0, num_pages) are checked on the
