@@ -26,16 +26,9 @@ class BackwardKernel(CudaBackward):
         if candidate.family not in BACKWARD_FAMILIES:
             raise ValueError(f"{candidate.identity} is not a backward family "
                              f"({', '.join(BACKWARD_FAMILIES)})")
-        cubin = compiled_cubin(candidate, compiled)
-        loader = str(candidate.params.get("LOADER", "cp_async"))  # mma_bwd has no producer
-        super().__init__(
-            candidate.identity, head_dim=int(candidate.problem["HEAD_DIM"]),  # type: ignore[call-overload]
-            dtype=str(candidate.problem["DTYPE"]), causal=bool(candidate.problem["CAUSAL"]),
-            block_m=candidate.block_m, block_n=int(candidate.params["BLOCK_N"]),  # type: ignore[call-overload]
-            threads=candidate.threads, smem_bytes=candidate.smem_bytes,
-            dq_accum=str(candidate.params["DQ_ACCUM"]), arch=compiled.arch,
-            cubin=cubin, loader=loader,
-            swizzle=int(candidate.params["SWIZZLE"]) if loader == "tma" else None)  # type: ignore[call-overload]
+        super().__init__(candidate.identity, arch=compiled.arch,
+                         cubin=compiled_cubin(candidate, compiled),
+                         **self.spec_args(candidate.spec()))
         self.candidate = candidate
         self.compiled = compiled
 

@@ -26,17 +26,9 @@ class DecodeKernel(CudaDecode):
         if candidate.family not in DECODE_FAMILIES:
             raise ValueError(f"{candidate.identity} is not a decode family "
                              f"({', '.join(DECODE_FAMILIES)})")
-        cubin = compiled_cubin(candidate, compiled)
-        params = candidate.params
-        super().__init__(
-            candidate.identity, head_dim=int(candidate.problem["HEAD_DIM"]),  # type: ignore[call-overload]
-            dtype=str(candidate.problem["DTYPE"]), paged=bool(candidate.problem["PAGED"]),
-            block_m=candidate.block_m, block_n=int(params["BLOCK_N"]),  # type: ignore[call-overload]
-            threads=candidate.threads, smem_bytes=candidate.smem_bytes,
-            split_policy=str(params["SPLIT_POLICY"]), splits=int(params["SPLITS"]),  # type: ignore[call-overload]
-            combine=str(params["COMBINE"]), cluster=int(params.get("CLUSTER", 1)),  # type: ignore[call-overload]
-            combine_launch=str(params.get("COMBINE_LAUNCH", "stream")),
-            arch=compiled.arch, cubin=cubin)
+        super().__init__(candidate.identity, arch=compiled.arch,
+                         cubin=compiled_cubin(candidate, compiled),
+                         **self.spec_args(candidate.spec()))
         self.candidate = candidate
         self.compiled = compiled
 

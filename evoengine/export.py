@@ -201,10 +201,7 @@ def kernel_specs(found: list[Winner], arch: Arch,
                               f"{result.error}")
         index[name] = len(specs)
         specs.append({
-            "name": name, "family": cand.family, "kind": kind_of[name],
-            "problem": dict(cand.problem),
-            "params": dict(cand.params), "block_m": cand.block_m, "threads": cand.threads,
-            "smem_bytes": cand.smem_bytes, "defines": cand.defines(arch),
+            **cand.spec(), "name": name, "kind": kind_of[name], "defines": cand.defines(arch),
             "registers": result.registers, "spill_bytes": result.spill_bytes,
             "source": source, "source_sha256": sha256(source),
             "cubin": result.cubin, "cubin_sha256": sha256(result.cubin),

@@ -104,6 +104,14 @@ class Candidate:
     def block_m(self) -> int:
         return int(self.params["BLOCK_M"])  # type: ignore[call-overload]
 
+    def spec(self) -> dict[str, object]:
+        """The fields of a kernel spec (what ``evoengine export`` writes for each kernel) that
+        the candidate alone decides: what the launcher's kernel classes are built from
+        (``spec_args``), so that a parameter reaches a launcher through one mapping."""
+        return {"name": self.identity, "family": self.family, "problem": dict(self.problem),
+                "params": dict(self.params), "block_m": self.block_m, "threads": self.threads,
+                "smem_bytes": self.smem_bytes}
+
     def defines(self, arch: Arch) -> dict[str, int]:
         """Preprocessor values passed at compile time; the source itself is arch-independent."""
         return {"EVO_SMEM_LIMIT": arch.smem_per_block, "EVO_SMEM_BYTES": self.smem_bytes}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from evoengine.arch import Arch
 from evoengine.compile import CompileResult, compile_candidate
-from evoengine.launch import LOG2E, CudaKernel, Problem, check_inputs, tma_params
+from evoengine.launch import LOG2E, CudaKernel, Problem, check_inputs
 from evoengine.launch.varlen import CudaVarlenKernel
 from evoengine.render import Candidate
 
@@ -41,16 +41,9 @@ def compiled_cubin(candidate: Candidate, compiled: CompileResult) -> bytes:
 
 
 def _kernel_args(candidate: Candidate, compiled: CompileResult) -> dict:
-    """What the launcher's kernel classes take, for a compiled candidate."""
-    cubin = compiled_cubin(candidate, compiled)
-    return dict(
-        head_dim=int(candidate.problem["HEAD_DIM"]),  # type: ignore[call-overload]
-        dtype=str(candidate.problem["DTYPE"]),
-        causal=bool(candidate.problem["CAUSAL"]),
-        block_m=candidate.block_m, threads=candidate.threads,
-        smem_bytes=candidate.smem_bytes, arch=compiled.arch, cubin=cubin,
-        tma=tma_params(candidate.family, candidate.params),  # wgmma: TMA tensor maps
-    )
+    """What the forward launchers' kernel classes take, for a compiled candidate."""
+    return dict(arch=compiled.arch, cubin=compiled_cubin(candidate, compiled),
+                **CudaKernel.spec_args(candidate.spec()))
 
 
 class Kernel(CudaKernel):

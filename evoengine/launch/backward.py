@@ -110,17 +110,23 @@ class CudaBackward:
         self.loader = loader
 
     @classmethod
+    def spec_args(cls, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """The constructor's arguments but the name, arch, cubin and source, from a kernel spec
+        (an export's, or ``Candidate.spec()``)."""
+        problem, params = spec["problem"], spec["params"]
+        loader = str(params.get("LOADER", "cp_async"))  # mma_bwd, and specs exported before it
+        return dict(head_dim=int(problem["HEAD_DIM"]), dtype=str(problem["DTYPE"]),
+                    causal=bool(problem["CAUSAL"]), block_m=int(spec["block_m"]),
+                    block_n=int(params["BLOCK_N"]), threads=int(spec["threads"]),
+                    smem_bytes=int(spec["smem_bytes"]), dq_accum=str(params["DQ_ACCUM"]),
+                    defines=spec.get("defines"), loader=loader,
+                    swizzle=int(params["SWIZZLE"]) if loader == "tma" else None)
+
+    @classmethod
     def from_spec(cls, spec: Mapping[str, Any], arch: str | None, *, cubin: bytes | None,
                   source: str | None) -> CudaBackward:
         """The kernel an export's spec describes (``dispatch.kernel_from_spec``)."""
-        problem, params = spec["problem"], spec["params"]
-        loader = params.get("LOADER", "cp_async")  # mma_bwd, and specs exported before it
-        return cls(spec["name"], head_dim=problem["HEAD_DIM"], dtype=problem["DTYPE"],
-                   causal=problem["CAUSAL"], block_m=spec["block_m"], block_n=params["BLOCK_N"],
-                   threads=spec["threads"], smem_bytes=spec["smem_bytes"],
-                   dq_accum=params["DQ_ACCUM"], arch=arch, cubin=cubin, source=source,
-                   defines=spec.get("defines"), loader=loader,
-                   swizzle=int(params["SWIZZLE"]) if loader == "tma" else None)
+        return cls(spec["name"], arch=arch, cubin=cubin, source=source, **cls.spec_args(spec))
 
     def __repr__(self) -> str:
         return f"CudaBackward({self.name!r})"

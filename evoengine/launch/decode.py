@@ -392,18 +392,26 @@ class CudaDecode:
         self._slots: dict[int, int] = {}  # per device: blocks of one wave (wave_slots)
 
     @classmethod
+    def spec_args(cls, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """The constructor's arguments but the name, arch, cubin and source, from a kernel spec
+        (an export's, or ``Candidate.spec()``); parameters a spec exported before them lacks
+        take their legacy values."""
+        problem, params = spec["problem"], spec["params"]
+        return dict(head_dim=int(problem["HEAD_DIM"]), dtype=str(problem["DTYPE"]),
+                    paged=bool(problem["PAGED"]), block_m=int(spec["block_m"]),
+                    block_n=int(params["BLOCK_N"]), threads=int(spec["threads"]),
+                    smem_bytes=int(spec["smem_bytes"]),
+                    split_policy=str(params["SPLIT_POLICY"]), splits=int(params["SPLITS"]),
+                    combine=str(params.get("COMBINE", "kernel")),
+                    cluster=int(params.get("CLUSTER", 1)),
+                    combine_launch=str(params.get("COMBINE_LAUNCH", "stream")),
+                    defines=spec.get("defines"))
+
+    @classmethod
     def from_spec(cls, spec: Mapping[str, Any], arch: str | None, *, cubin: bytes | None,
                   source: str | None) -> CudaDecode:
         """The kernel an export's spec describes (``dispatch.kernel_from_spec``)."""
-        problem, params = spec["problem"], spec["params"]
-        return cls(spec["name"], head_dim=problem["HEAD_DIM"], dtype=problem["DTYPE"],
-                   paged=problem["PAGED"], block_m=spec["block_m"], block_n=params["BLOCK_N"],
-                   threads=spec["threads"], smem_bytes=spec["smem_bytes"],
-                   split_policy=params["SPLIT_POLICY"], splits=params["SPLITS"],
-                   combine=params.get("COMBINE", "kernel"),
-                   cluster=params.get("CLUSTER", 1),
-                   combine_launch=params.get("COMBINE_LAUNCH", "stream"), arch=arch,
-                   cubin=cubin, source=source, defines=spec.get("defines"))
+        return cls(spec["name"], arch=arch, cubin=cubin, source=source, **cls.spec_args(spec))
 
     def __repr__(self) -> str:
         return f"CudaDecode({self.name!r})"

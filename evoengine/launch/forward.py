@@ -120,15 +120,21 @@ class CudaKernel:
         self._lock = threading.Lock()
 
     @classmethod
+    def spec_args(cls, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """The constructor's arguments but the name, arch, cubin and source, from a kernel spec
+        (an export's, or ``Candidate.spec()``)."""
+        problem = spec["problem"]
+        return dict(head_dim=int(problem["HEAD_DIM"]), dtype=str(problem["DTYPE"]),
+                    causal=bool(problem["CAUSAL"]), block_m=int(spec["block_m"]),
+                    threads=int(spec["threads"]), smem_bytes=int(spec["smem_bytes"]),
+                    defines=spec.get("defines"),
+                    tma=tma_params(spec.get("family", ""), spec.get("params", {})))
+
+    @classmethod
     def from_spec(cls, spec: Mapping[str, Any], arch: str | None, *, cubin: bytes | None,
                   source: str | None) -> CudaKernel:
         """The kernel an export's spec describes (``dispatch.kernel_from_spec``)."""
-        problem = spec["problem"]
-        return cls(spec["name"], head_dim=problem["HEAD_DIM"], dtype=problem["DTYPE"],
-                   causal=problem["CAUSAL"], block_m=spec["block_m"], threads=spec["threads"],
-                   smem_bytes=spec["smem_bytes"], arch=arch, cubin=cubin, source=source,
-                   defines=spec.get("defines"),
-                   tma=tma_params(spec.get("family", ""), spec.get("params", {})))
+        return cls(spec["name"], arch=arch, cubin=cubin, source=source, **cls.spec_args(spec))
 
     def __repr__(self) -> str:
         return f"CudaKernel({self.name!r})"
