@@ -24,8 +24,10 @@ when the modules are joined into one namespace, so top-level names must not coll
 - ``transformers``: the Transformers attention function and its registration;
 - ``tuned``: ``TunedAttention`` and its ``torch.library`` ops.
 
-A new kind of kernel is a module here (its class with ``kind`` and ``from_spec``), listed in
-``MODULES`` before ``dispatch`` and in ``dispatch.KERNEL_CLASSES``.
+A new kind of kernel is a module here (its class with ``kind``, ``spec_args`` and
+``from_spec``), listed in ``MODULES`` before ``dispatch`` and in ``dispatch.KERNEL_CLASSES``.
+``spec_args`` is the one mapping from a kernel spec (an export's, or ``Candidate.spec()`` for a
+candidate being searched) to the class's arguments: a new launch-time parameter goes there.
 """
 
 from __future__ import annotations
