@@ -105,7 +105,7 @@ def main() -> int:
         for _ in range(args.rounds):
             for nv, k in kernels.items():
                 times[nv].append(measure.time_calls(problem.timed_call(k, w, sets), len(sets),
-                                                    graph=True, reps=50).median_us)
+                                                    graph=True).median_us)
         del sets
         torch.cuda.empty_cache()
         med = {f"{n} | {v}": statistics.median(t) for (n, v), t in times.items()}
@@ -118,8 +118,9 @@ def main() -> int:
                 f"{v} {base / med[f'{name} | {v}']:.3f}"
                 for v in ("pdl-start", "pdl-start-solo", "pdl-exit", "pdl-end")))
     doc = dict(provenance.header(**provenance.local_device(), method=(
-        "graph replay, 50 reps a timing, median of 5 rounds interleaved over the variants; "
-        "every kernel through the criterion first")), rows=rows)
+        f"{measure.TIMING}, graph replay of {measure.GRAPH_CALLS} calls; {args.rounds} rounds "
+        "interleaved over the variants, the median of the rounds'; every kernel through the "
+        "criterion first")), rows=rows)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     return 0
 
