@@ -260,18 +260,25 @@ def cluster_splits(splits: int, cluster: int) -> int:
     return max(cluster, splits - splits % cluster)
 
 
+@functools.cache
+def sm_shared_memory(index: int) -> int:
+    """Shared memory of one SM of CUDA device ``index``, in bytes."""
+    from cupy.cuda import runtime
+
+    return int(runtime.deviceGetAttribute(
+        runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, index))
+
+
 def resident_blocks(fn: int, threads: int, smem_bytes: int, index: int) -> int:
     """Blocks of a kernel that one SM of device ``index`` holds at once (the driver's
     occupancy calculator; from shared memory alone where cupy lacks it)."""
-    from cupy.cuda import driver, runtime
+    from cupy.cuda import driver
 
     try:
         return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn, threads,
                                                                            smem_bytes)))
-    except AttributeError:
-        per_sm = runtime.deviceGetAttribute(
-            runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, index)
-        return max(1, per_sm // max(1, smem_bytes + 1024))  # 1 KB the runtime keeps per block
+    except AttributeError:  # 1 KB the runtime keeps per block
+        return max(1, sm_shared_memory(index) // max(1, smem_bytes + 1024))
 
 
 def resident_clusters(fn: int, threads: int, smem_bytes: int, cluster: int) -> int | None:
@@ -310,15 +317,6 @@ def combine_spread_smem(blocks: int, sms: int, sm_smem: int) -> int:
     if cap * DECODE_COMBINE_THREADS >= 2048:  # an SM's threads (sm_80 to sm_90)
         return 0
     return sm_smem // (cap + 1) + 1
-
-
-@functools.cache
-def sm_shared_memory(index: int) -> int:
-    """Shared memory of one SM of CUDA device ``index``, in bytes."""
-    from cupy.cuda import runtime
-
-    return int(runtime.deviceGetAttribute(
-        runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, index))
 
 
 MIN_COUNTERS = 1024  # the smallest set of fused-combine counters allocated (4 KB)
@@ -515,11 +513,12 @@ class CudaDecode:
                                              out.data_ptr(), ptr(lse), b, q_len, h, parts,
                                              out.stride(0), out.stride(1), out.stride(2))
             blocks = -(-(b * q_len * h * (d // 4)) // DECODE_COMBINE_THREADS)
-            cgrid = (combine.fn, blocks, 1, 1, DECODE_COMBINE_THREADS, 1, 1, 0, stream,
+            smem = (combine_spread_smem(blocks, sm_count(index), sm_shared_memory(index))
+                    if self.programmatic else 0)
+            cgrid = (combine.fn, blocks, 1, 1, DECODE_COMBINE_THREADS, 1, 1, smem, stream,
                      ctypes.addressof(cargs[1]))
             if self.programmatic:
-                smem = combine_spread_smem(blocks, sm_count(index), sm_shared_memory(index))
-                launch_programmatic_in_context(combine, (*cgrid[:7], smem, *cgrid[8:]))
+                launch_programmatic_in_context(combine, cgrid)
             else:
                 launch_in_context(combine, (*cgrid, 0))
         del part, lse_part  # only now: both launches have read their addresses
