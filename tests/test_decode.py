@@ -140,7 +140,7 @@ def test_points_from_before_l2_prefetch_and_merge_complete() -> None:
     assert space.complete(old)["COMBINE_LAUNCH"] == "stream"
     assert space.legacy == {"L2_PREFETCH": 0, "MERGE": "atomic", "COMBINE": "kernel",
                             "COMBINE_ITEMS": 1, "CLUSTER": 1, "PAGE_STAGING": "regs",
-                            "COMBINE_LAUNCH": "stream"}
+                            "COMBINE_LAUNCH": "stream", "ROW_GROUPS": 1}
 
 
 def test_space_is_of_kind_decode() -> None:
@@ -220,6 +220,45 @@ def test_page_staging_builds_without_spills(arch: str) -> None:
         assert int(smem.derived["SMEM_BYTES"]) > int(regs.derived["SMEM_BYTES"])  # type: ignore[call-overload]
         for cand in (smem, regs):
             clean_build(cand, target)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
+def test_row_groups_build_without_spills(arch: str) -> None:
+    """ROW_GROUPS splits the rows over the warps before the keys: 64 rows at d128, which no
+    point held before (64 rows a warp are over the register bound), fit as 4 groups of 16;
+    groups that are no whole warps or m16 tiles are refused with the reason; 16 and 32 rows a
+    warp, one to four key warps a group, both merges and (sm_90) a cluster build without spills
+    or local memory."""
+    space = SearchSpace.load(SPACE).with_untested()
+    target = get_arch(arch)
+    d128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "PAGED": True}
+    base = dict(VEC_BYTES=16, L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
+                COMBINE="kernel", COMBINE_ITEMS=1, CLUSTER=1, PAGE_STAGING="regs",
+                COMBINE_LAUNCH="stream")
+    rows64 = dict(base, BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2)
+    assert any("leave room in 255 registers" in why
+               for why in space.violations(dict(rows64, ROW_GROUPS=1), d128, target))
+    assert not space.violations(dict(rows64, ROW_GROUPS=4), d128, target)
+    assert any("row groups of whole warps" in why
+               for why in space.violations(dict(rows64, NUM_WARPS=2, ROW_GROUPS=4), d128, target))
+    assert any("row groups of whole warps" in why for why in space.violations(
+        dict(rows64, BLOCK_M=32, ROW_GROUPS=4), d128, target))
+    cases = [(d128, dict(rows64, ROW_GROUPS=4)),
+             (d128, dict(base, BLOCK_M=128, BLOCK_N=128, NUM_WARPS=8, STAGES=2, ROW_GROUPS=8,
+                         COMBINE="fused")),
+             (d128, dict(base, BLOCK_M=32, BLOCK_N=64, NUM_WARPS=8, STAGES=3, ROW_GROUPS=2,
+                         MERGE="atomic")),
+             ({"HEAD_DIM": 64, "DTYPE": "fp16", "PAGED": False},
+              dict(base, BLOCK_M=128, BLOCK_N=64, NUM_WARPS=8, STAGES=4, ROW_GROUPS=4))]
+    if target.sm >= 90:
+        cases.append((d128, dict(base, BLOCK_M=64, BLOCK_N=128, NUM_WARPS=8, STAGES=2,
+                                 ROW_GROUPS=4, CLUSTER=2)))
+    for problem_, params in cases:
+        bad = space.violations(params, problem_, target)
+        if bad and target.smem_per_block < 128 << 10:
+            continue  # 128 rows of d128 (Q, then the merge) pass sm_89's 99 KB
+        assert not bad, params
+        clean_build(make_candidate(space, params, problem_, target), target)
 
 
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90a"])

@@ -3,7 +3,8 @@
 Fresh random inputs per check (``validate.check_decode``): pages shuffled in memory,
 everything past a sequence's length NaN, ragged lengths with 0 and queries that see no key,
 lengths no multiple of a tile or a page, GQA 32/8 and 64/8 and MQA, q_len 1, 4 and 16, one
-split and many (the combine), contiguous and paged caches; every point with both merges of
+split and many (the combine), contiguous and paged caches; the warps splitting the keys only,
+and the rows first (ROW_GROUPS; 128 rows a block at q_len 16); every point with both merges of
 the warps (MERGE: slices, and the legacy atomics) and, after the slices merge, both combines of
 the splits (COMBINE: the combine kernel, and fused into the last block of each group, merging
 one or several quads a thread at once: COMBINE_ITEMS); on sm_90, the splits in thread block
@@ -44,6 +45,18 @@ POINTS = [
     dict(BLOCK_N=256, BLOCK_M=16, NUM_WARPS=4, STAGES=2, VEC_BYTES=16, L2_PREFETCH=256,
          SPLIT_POLICY="waves", SPLITS=4),
 ]
+# Rows split over the warps first (ROW_GROUPS): 16 and 32 rows a warp, one to four key warps a
+# group, up to 128 rows a block; each is built with both MERGE values.
+ROW_POINTS = [
+    dict(BLOCK_N=64, BLOCK_M=32, NUM_WARPS=8, ROW_GROUPS=2, STAGES=3, VEC_BYTES=16,
+         L2_PREFETCH=0, SPLIT_POLICY="waves", SPLITS=1),
+    dict(BLOCK_N=64, BLOCK_M=64, NUM_WARPS=4, ROW_GROUPS=4, STAGES=2, VEC_BYTES=16,
+         L2_PREFETCH=0, SPLIT_POLICY="fixed", SPLITS=8),
+    dict(BLOCK_N=128, BLOCK_M=128, NUM_WARPS=8, ROW_GROUPS=8, STAGES=2, VEC_BYTES=16,
+         L2_PREFETCH=0, SPLIT_POLICY="waves", SPLITS=2),
+    dict(BLOCK_N=64, BLOCK_M=64, NUM_WARPS=8, ROW_GROUPS=2, STAGES=4, VEC_BYTES=8,
+         L2_PREFETCH=128, SPLIT_POLICY="fixed", SPLITS=4),
+]
 # (lengths, q_len, heads, kv_heads, page_size)
 CASES = [
     ((0, 3, 700, 1531), 4, 8, 2, 64),    # ragged, a sequence with no key, queries with none
@@ -78,11 +91,12 @@ def space() -> SearchSpace:
 def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
             combine: str = "kernel", items: int = 1, cluster: int = 1,
             one_wave: bool = False, staging: str = "regs",
-            launch: str = "stream") -> list[DecodeKernel]:
+            launch: str = "stream", row_groups: bool = False) -> list[DecodeKernel]:
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
     points = [dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster,
-                   PAGE_STAGING=staging, COMBINE_LAUNCH=launch) for p in POINTS]
+                   PAGE_STAGING=staging, COMBINE_LAUNCH=launch)
+              for p in (ROW_POINTS if row_groups else POINTS)]
     if one_wave:  # the cooperative combine's policy (and its twins')
         points = [dict(p, SPLIT_POLICY="waves", SPLITS=1) for p in points]
     cands: list[Candidate] = [make_candidate(space(), p, problem, arch) for p in points
@@ -102,6 +116,26 @@ def test_decode_criterion(head_dim: int, dtype: str, paged: bool, merge: str,
     ks = kernels(head_dim, dtype, paged, merge, combine, items)
     assert ks
     check_cases(ks, head_dim, torch_dtype, paged)
+
+
+# Many rows a KV head (128 at q_len 16 with 64/8, which 128-row blocks take at once), and a
+# row count that fills no m16 tile of any group (15: q_len 3 of a group of 5).
+ROW_CASES = [((3000, 77, 0), 16, 64, 8, 64), ((900, 4100), 3, 40, 8, 16)]
+
+
+@pytest.mark.parametrize("merge, combine, items, cluster", [
+    ("slices", "kernel", 1, 1), ("atomic", "kernel", 1, 1), ("slices", "fused", 2, 1),
+    ("slices", "cooperative", 1, 1), ("slices", "kernel", 1, 2)])
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_row_groups(head_dim: int, paged: bool, merge: str, combine: str, items: int,
+                    cluster: int) -> None:
+    if cluster > 1 and gpu_arch().sm < 90:
+        pytest.skip("thread block clusters are sm_90's")
+    ks = kernels(head_dim, "bf16", paged, merge, combine, items, cluster,
+                 one_wave=combine == "cooperative", row_groups=True)
+    assert len(ks) >= 2
+    check_cases(ks, head_dim, torch.bfloat16, paged, CASES + ROW_CASES)
 
 
 @pytest.mark.parametrize("combine, items", [("kernel", 1), ("fused", 4)])
