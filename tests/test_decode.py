@@ -203,7 +203,7 @@ def test_page_staging_builds_without_spills(arch: str) -> None:
     target = get_arch(arch)
     base = dict(BLOCK_M=16, VEC_BYTES=16, L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves",
                 SPLITS=1, COMBINE="fused", COMBINE_ITEMS=1, CLUSTER=1, PAGE_STAGING="smem",
-                COMBINE_LAUNCH="stream")
+                COMBINE_LAUNCH="stream", ROW_GROUPS=1)
     contiguous = {"HEAD_DIM": 128, "DTYPE": "fp16", "PAGED": False}
     point = dict(base, BLOCK_N=64, NUM_WARPS=4, STAGES=4)
     assert any("no page numbers to stage" in why
@@ -276,7 +276,7 @@ def test_rows_of_no_power_of_two_copies_are_copied_by_index(arch: str, head_dim:
     params = dict(BLOCK_N=block_n, BLOCK_M=16, NUM_WARPS=threads // 32, STAGES=2, VEC_BYTES=16,
                   L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=2,
                   COMBINE="fused", COMBINE_ITEMS=1, CLUSTER=1, PAGE_STAGING="regs",
-                  COMBINE_LAUNCH="stream")
+                  COMBINE_LAUNCH="stream", ROW_GROUPS=1)
     assert not space.violations(params, problem_, target)
     cand = make_candidate(space, params, problem_, target)
     assert "constexpr bool COLUMNS = THREADS % ROW_VECS == 0;" in render(cand)
@@ -299,9 +299,11 @@ def test_merge_slices_fit_where_the_ring_does() -> None:
         for head_dim in (64, 128):
             problem_ = {"HEAD_DIM": head_dim, "DTYPE": "fp16", "PAGED": True}
             # Clusters (sm_90) follow the slices merge only, a programmatic launch (sm_90) the
-            # kernel combine only: compared without them.
+            # kernel combine only: compared without them; and with every warp on every row
+            # (row groups merge fewer slices, of the group's rows).
             admitted = [p for p in space.admitted(problem_, target)
-                        if p["CLUSTER"] == 1 and p["COMBINE_LAUNCH"] == "stream"]
+                        if p["CLUSTER"] == 1 and p["COMBINE_LAUNCH"] == "stream"
+                        and p["ROW_GROUPS"] == 1]
             kernel = [p for p in admitted if p["COMBINE"] == "kernel"]  # fused: slices only
             slices = [p for p in kernel if p["MERGE"] == "slices"]
             atomic = [dict(p, MERGE="slices") for p in kernel if p["MERGE"] == "atomic"]
@@ -317,7 +319,8 @@ def test_merge_slices_fit_where_the_ring_does() -> None:
     small = get_arch("sm_89")  # 99 KB: 8 slices of 32 x (256 + 8) floats do not fit
     big = dict(BLOCK_N=128, BLOCK_M=32, NUM_WARPS=8, STAGES=2, VEC_BYTES=16, L2_PREFETCH=0,
                MERGE="slices", SPLIT_POLICY="waves", SPLITS=1, COMBINE="kernel",
-               COMBINE_ITEMS=1, CLUSTER=1, PAGE_STAGING="regs", COMBINE_LAUNCH="stream")
+               COMBINE_ITEMS=1, CLUSTER=1, PAGE_STAGING="regs", COMBINE_LAUNCH="stream",
+               ROW_GROUPS=1)
     bad = space.violations(big, {"HEAD_DIM": 256, "DTYPE": "fp16", "PAGED": True}, small)
     assert any("the warps' merge fits" in why for why in bad)
 
@@ -434,7 +437,7 @@ def test_plan_covers_ragged_and_own_length() -> None:
 DECODE_POINT = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
                     L2_PREFETCH=256, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
                     COMBINE="kernel", COMBINE_ITEMS=1, CLUSTER=1,
-                    PAGE_STAGING="regs", COMBINE_LAUNCH="stream")
+                    PAGE_STAGING="regs", COMBINE_LAUNCH="stream", ROW_GROUPS=1)
 
 
 def decode_store(db: object, arch: str, workloads: list[DecodeWorkload]) -> None:

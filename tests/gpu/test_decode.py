@@ -94,8 +94,9 @@ def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
             launch: str = "stream", row_groups: bool = False) -> list[DecodeKernel]:
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
-    points = [dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster,
-                   PAGE_STAGING=staging, COMBINE_LAUNCH=launch)
+    points = [space().complete(dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items,
+                                    CLUSTER=cluster, PAGE_STAGING=staging,
+                                    COMBINE_LAUNCH=launch))
               for p in (ROW_POINTS if row_groups else POINTS)]
     if one_wave:  # the cooperative combine's policy (and its twins')
         points = [dict(p, SPLIT_POLICY="waves", SPLITS=1) for p in points]
@@ -310,8 +311,8 @@ def other_kernels(head_dim: int, paged: bool, combine: str) -> list[DecodeKernel
     without spills."""
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE="bf16", PAGED=paged)
-    points = [dict(p, MERGE="slices", COMBINE=combine, COMBINE_ITEMS=1, CLUSTER=1,
-                   PAGE_STAGING="regs") for p in POINTS]
+    points = [space().complete(dict(p, MERGE="slices", COMBINE=combine, COMBINE_ITEMS=1,
+                                    CLUSTER=1, PAGE_STAGING="regs")) for p in POINTS]
     points = [p for p in points if not space().violations(p, problem, arch)]
     drawn = [p for p in space().admitted(problem, arch)
              if p["MERGE"] == "slices" and p["COMBINE"] == combine]
