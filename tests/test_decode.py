@@ -138,9 +138,10 @@ def test_points_from_before_l2_prefetch_and_merge_complete() -> None:
     assert space.complete(old)["COMBINE_ITEMS"] == 1
     assert space.complete(old)["CLUSTER"] == 1
     assert space.complete(old)["COMBINE_LAUNCH"] == "stream"
+    assert space.complete(old)["MMA"] == "sync"
     assert space.legacy == {"L2_PREFETCH": 0, "MERGE": "atomic", "COMBINE": "kernel",
                             "COMBINE_ITEMS": 1, "CLUSTER": 1, "PAGE_STAGING": "regs",
-                            "COMBINE_LAUNCH": "stream", "ROW_GROUPS": 1}
+                            "COMBINE_LAUNCH": "stream", "ROW_GROUPS": 1, "MMA": "sync"}
 
 
 def test_space_is_of_kind_decode() -> None:
@@ -203,7 +204,7 @@ def test_page_staging_builds_without_spills(arch: str) -> None:
     target = get_arch(arch)
     base = dict(BLOCK_M=16, VEC_BYTES=16, L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves",
                 SPLITS=1, COMBINE="fused", COMBINE_ITEMS=1, CLUSTER=1, PAGE_STAGING="smem",
-                COMBINE_LAUNCH="stream", ROW_GROUPS=1)
+                COMBINE_LAUNCH="stream", ROW_GROUPS=1, MMA="sync")
     contiguous = {"HEAD_DIM": 128, "DTYPE": "fp16", "PAGED": False}
     point = dict(base, BLOCK_N=64, NUM_WARPS=4, STAGES=4)
     assert any("no page numbers to stage" in why
@@ -234,7 +235,7 @@ def test_row_groups_build_without_spills(arch: str) -> None:
     d128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "PAGED": True}
     base = dict(VEC_BYTES=16, L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
                 COMBINE="kernel", COMBINE_ITEMS=1, CLUSTER=1, PAGE_STAGING="regs",
-                COMBINE_LAUNCH="stream")
+                COMBINE_LAUNCH="stream", MMA="sync")
     rows64 = dict(base, BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2)
     assert any("leave room in 255 registers" in why
                for why in space.violations(dict(rows64, ROW_GROUPS=1), d128, target))
@@ -276,7 +277,7 @@ def test_rows_of_no_power_of_two_copies_are_copied_by_index(arch: str, head_dim:
     params = dict(BLOCK_N=block_n, BLOCK_M=16, NUM_WARPS=threads // 32, STAGES=2, VEC_BYTES=16,
                   L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=2,
                   COMBINE="fused", COMBINE_ITEMS=1, CLUSTER=1, PAGE_STAGING="regs",
-                  COMBINE_LAUNCH="stream", ROW_GROUPS=1)
+                  COMBINE_LAUNCH="stream", ROW_GROUPS=1, MMA="sync")
     assert not space.violations(params, problem_, target)
     cand = make_candidate(space, params, problem_, target)
     assert "constexpr bool COLUMNS = THREADS % ROW_VECS == 0;" in render(cand)
@@ -320,7 +321,7 @@ def test_merge_slices_fit_where_the_ring_does() -> None:
     big = dict(BLOCK_N=128, BLOCK_M=32, NUM_WARPS=8, STAGES=2, VEC_BYTES=16, L2_PREFETCH=0,
                MERGE="slices", SPLIT_POLICY="waves", SPLITS=1, COMBINE="kernel",
                COMBINE_ITEMS=1, CLUSTER=1, PAGE_STAGING="regs", COMBINE_LAUNCH="stream",
-               ROW_GROUPS=1)
+               ROW_GROUPS=1, MMA="sync")
     bad = space.violations(big, {"HEAD_DIM": 256, "DTYPE": "fp16", "PAGED": True}, small)
     assert any("the warps' merge fits" in why for why in bad)
 
@@ -437,7 +438,7 @@ def test_plan_covers_ragged_and_own_length() -> None:
 DECODE_POINT = dict(BLOCK_N=64, BLOCK_M=16, NUM_WARPS=4, STAGES=3, VEC_BYTES=16,
                     L2_PREFETCH=256, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
                     COMBINE="kernel", COMBINE_ITEMS=1, CLUSTER=1,
-                    PAGE_STAGING="regs", COMBINE_LAUNCH="stream", ROW_GROUPS=1)
+                    PAGE_STAGING="regs", COMBINE_LAUNCH="stream", ROW_GROUPS=1, MMA="sync")
 
 
 def decode_store(db: object, arch: str, workloads: list[DecodeWorkload]) -> None:
@@ -803,3 +804,36 @@ def test_flashinfer_is_an_anchor_that_steps_aside_where_it_does_not_import(
     finally:
         decode_mod.flashinfer_module.cache_clear()
     assert capsys.readouterr().err.count("FlashInfer not timed") == 1
+
+
+def test_wgmma_builds_without_spills() -> None:
+    """MMA "wgmma" runs S and P.V as wgmma m64 per warpgroup: refused off sm_90a, with rows a
+    warp other than 16 and with head dims of partial 128-byte panels; on sm_90a one and two
+    warpgroups of rows and of keys, both merges, the fused combine and a cluster build without
+    spills or local memory, and issue wgmma (HGMMA) where cuobjdump is found."""
+    space = SearchSpace.load(SPACE).with_untested()
+    hopper = get_arch("sm_90a")
+    d128 = {"HEAD_DIM": 128, "DTYPE": "bf16", "PAGED": True}
+    base = dict(VEC_BYTES=16, L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves", SPLITS=1,
+                COMBINE="kernel", COMBINE_ITEMS=1, CLUSTER=1, PAGE_STAGING="regs",
+                COMBINE_LAUNCH="stream", MMA="wgmma")
+    rows64 = dict(base, BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, ROW_GROUPS=4, STAGES=3)
+    assert not space.violations(rows64, d128, hopper)
+    assert any("wgmma is sm_90a's" in why
+               for why in space.violations(rows64, d128, get_arch("sm_89")))
+    assert any("wgmma is sm_90a's" in why
+               for why in space.violations(dict(rows64, BLOCK_M=128), d128, hopper))
+    assert any("wgmma is sm_90a's" in why for why in space.violations(
+        rows64, dict(d128, HEAD_DIM=96), hopper))
+    cases = [(d128, rows64),
+             (d128, dict(base, BLOCK_M=128, BLOCK_N=128, NUM_WARPS=8, ROW_GROUPS=8, STAGES=2)),
+             (dict(d128, DTYPE="fp16", PAGED=False),
+              dict(base, BLOCK_M=64, BLOCK_N=32, NUM_WARPS=8, ROW_GROUPS=4, STAGES=4,
+                   MERGE="atomic")),
+             ({"HEAD_DIM": 64, "DTYPE": "fp16", "PAGED": True},
+              dict(base, BLOCK_M=128, BLOCK_N=64, NUM_WARPS=8, ROW_GROUPS=8, STAGES=4,
+                   COMBINE="fused", COMBINE_ITEMS=2, CLUSTER=2, PAGE_STAGING="smem"))]
+    for problem_, params in cases:
+        assert not space.violations(params, problem_, hopper), params
+        ops = clean_build(make_candidate(space, params, problem_, hopper), hopper)
+        assert not ops or "HGMMA" in ops

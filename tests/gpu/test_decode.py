@@ -57,6 +57,18 @@ ROW_POINTS = [
     dict(BLOCK_N=64, BLOCK_M=64, NUM_WARPS=8, ROW_GROUPS=2, STAGES=4, VEC_BYTES=8,
          L2_PREFETCH=128, SPLIT_POLICY="fixed", SPLITS=4),
 ]
+# S and P.V on wgmma (MMA "wgmma", sm_90a): one and two warpgroups of rows, one and two of keys
+# (64 and 16 keys a warpgroup: wgmma n64 and n16), up to 128 rows a block.
+WGMMA_POINTS = [
+    dict(BLOCK_N=64, BLOCK_M=64, NUM_WARPS=4, ROW_GROUPS=4, STAGES=3, VEC_BYTES=16,
+         L2_PREFETCH=0, SPLIT_POLICY="waves", SPLITS=1),
+    dict(BLOCK_N=128, BLOCK_M=128, NUM_WARPS=8, ROW_GROUPS=8, STAGES=2, VEC_BYTES=16,
+         L2_PREFETCH=0, SPLIT_POLICY="waves", SPLITS=2),
+    dict(BLOCK_N=128, BLOCK_M=64, NUM_WARPS=8, ROW_GROUPS=4, STAGES=2, VEC_BYTES=16,
+         L2_PREFETCH=256, SPLIT_POLICY="fixed", SPLITS=8),
+    dict(BLOCK_N=32, BLOCK_M=64, NUM_WARPS=8, ROW_GROUPS=4, STAGES=4, VEC_BYTES=8,
+         L2_PREFETCH=128, SPLIT_POLICY="fixed", SPLITS=4),
+]
 # (lengths, q_len, heads, kv_heads, page_size)
 CASES = [
     ((0, 3, 700, 1531), 4, 8, 2, 64),    # ragged, a sequence with no key, queries with none
@@ -91,13 +103,15 @@ def space() -> SearchSpace:
 def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
             combine: str = "kernel", items: int = 1, cluster: int = 1,
             one_wave: bool = False, staging: str = "regs",
-            launch: str = "stream", row_groups: bool = False) -> list[DecodeKernel]:
+            launch: str = "stream", row_groups: bool = False,
+            mma: str = "sync") -> list[DecodeKernel]:
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
+    chosen = WGMMA_POINTS if mma == "wgmma" else ROW_POINTS if row_groups else POINTS
     points = [space().complete(dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items,
                                     CLUSTER=cluster, PAGE_STAGING=staging,
-                                    COMBINE_LAUNCH=launch))
-              for p in (ROW_POINTS if row_groups else POINTS)]
+                                    COMBINE_LAUNCH=launch, MMA=mma))
+              for p in chosen]
     if one_wave:  # the cooperative combine's policy (and its twins')
         points = [dict(p, SPLIT_POLICY="waves", SPLITS=1) for p in points]
     cands: list[Candidate] = [make_candidate(space(), p, problem, arch) for p in points
@@ -137,6 +151,25 @@ def test_row_groups(head_dim: int, paged: bool, merge: str, combine: str, items:
                  one_wave=combine == "cooperative", row_groups=True)
     assert len(ks) >= 2
     check_cases(ks, head_dim, torch.bfloat16, paged, CASES + ROW_CASES)
+
+
+@pytest.mark.parametrize("merge, combine, items, cluster, staging", [
+    ("slices", "kernel", 1, 1, "regs"), ("atomic", "kernel", 1, 1, "smem"),
+    ("slices", "fused", 2, 1, "regs"), ("slices", "cooperative", 1, 1, "regs"),
+    ("slices", "kernel", 1, 2, "smem")])
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_wgmma(head_dim: int, dtype: str, paged: bool, merge: str, combine: str, items: int,
+               cluster: int, staging: str) -> None:
+    if gpu_arch().sm < 90:
+        pytest.skip("wgmma is sm_90a's")
+    staging = staging if paged else "regs"
+    ks = kernels(head_dim, dtype, paged, merge, combine, items, cluster,
+                 one_wave=combine == "cooperative", staging=staging, mma="wgmma")
+    assert len(ks) >= 3
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    check_cases(ks, head_dim, torch_dtype, paged, CASES + ROW_CASES)
 
 
 @pytest.mark.parametrize("combine, items", [("kernel", 1), ("fused", 4)])
