@@ -57,8 +57,8 @@ ROW_POINTS = [
     dict(BLOCK_N=64, BLOCK_M=64, NUM_WARPS=8, ROW_GROUPS=2, STAGES=4, VEC_BYTES=8,
          L2_PREFETCH=128, SPLIT_POLICY="fixed", SPLITS=4),
 ]
-# S and P.V on wgmma (MMA "wgmma" and "wgmma_ahead", sm_90a): one and two warpgroups of rows, one
-# and two of keys (64 and 16 keys a warpgroup: wgmma n64 and n16), up to 128 rows a block.
+# S and P.V on wgmma (MMA "wgmma", sm_90a): one and two warpgroups of rows, one and two of keys
+# (64 and 16 keys a warpgroup: wgmma n64 and n16), up to 128 rows a block.
 WGMMA_POINTS = [
     dict(BLOCK_N=64, BLOCK_M=64, NUM_WARPS=4, ROW_GROUPS=4, STAGES=3, VEC_BYTES=16,
          L2_PREFETCH=0, SPLIT_POLICY="waves", SPLITS=1),
@@ -107,9 +107,7 @@ def kernels(head_dim: int, dtype: str, paged: bool, merge: str = "slices",
             mma: str = "sync") -> list[DecodeKernel]:
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
-    chosen = WGMMA_POINTS if mma != "sync" else ROW_POINTS if row_groups else POINTS
-    if mma == "wgmma_ahead":  # the next tile must have landed: 3 stages and more
-        chosen = [dict(p, STAGES=max(3, p["STAGES"])) for p in chosen]
+    chosen = WGMMA_POINTS if mma == "wgmma" else ROW_POINTS if row_groups else POINTS
     points = [space().complete(dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items,
                                     CLUSTER=cluster, PAGE_STAGING=staging,
                                     COMBINE_LAUNCH=launch, MMA=mma))
@@ -159,17 +157,16 @@ def test_row_groups(head_dim: int, paged: bool, merge: str, combine: str, items:
     ("slices", "kernel", 1, 1, "regs"), ("atomic", "kernel", 1, 1, "smem"),
     ("slices", "fused", 2, 1, "regs"), ("slices", "cooperative", 1, 1, "regs"),
     ("slices", "kernel", 1, 2, "smem")])
-@pytest.mark.parametrize("mma", ["wgmma", "wgmma_ahead"])
 @pytest.mark.parametrize("paged", [True, False])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [128, 64])
-def test_wgmma(head_dim: int, dtype: str, paged: bool, mma: str, merge: str, combine: str,
-               items: int, cluster: int, staging: str) -> None:
+def test_wgmma(head_dim: int, dtype: str, paged: bool, merge: str, combine: str, items: int,
+               cluster: int, staging: str) -> None:
     if gpu_arch().sm < 90:
         pytest.skip("wgmma is sm_90a's")
     staging = staging if paged else "regs"
     ks = kernels(head_dim, dtype, paged, merge, combine, items, cluster,
-                 one_wave=combine == "cooperative", staging=staging, mma=mma)
+                 one_wave=combine == "cooperative", staging=staging, mma="wgmma")
     assert len(ks) >= 3
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     check_cases(ks, head_dim, torch_dtype, paged, CASES + ROW_CASES)
