@@ -726,6 +726,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _where(e: BaseException) -> str:
+    """Where an OSError that names no file was raised (" [loop.py:123]"), so that one line
+    still traces it (a search once ended on "[Errno 9] Bad file descriptor" alone); "" for the
+    rest, whose message says what went wrong."""
+    if not isinstance(e, OSError) or e.filename is not None or e.__traceback__ is None:
+        return ""
+    import traceback
+
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return f" [{Path(frame.filename).name}:{frame.lineno}]"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -736,7 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, KeyError, OSError) as e:  # SpaceError is a ValueError
         # OSError: a file that is missing, a folder, not ours to read or write.
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"evoengine: {msg}", file=sys.stderr)
+        print(f"evoengine: {msg}{_where(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("evoengine: interrupted", file=sys.stderr)

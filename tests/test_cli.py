@@ -455,3 +455,25 @@ def test_what_a_command_cannot_read_or_write_is_one_line(replayed: Path, args: t
     assert not list(replayed.glob(".*.tmp"))  # an export that failed leaves no temporary
     with Store(f"sqlite:///{replayed / 'evo.db'}", create=False) as s:
         assert len(s.runs()) == 1  # nothing searched
+
+
+def test_an_os_error_without_a_file_says_where(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """An OSError that names no file (a closed descriptor, a broken pipe) ends the command in
+    one line that says where it was raised; one about a path stays the path's message."""
+    import errno
+
+    from evoengine import cli
+
+    def bad_fd(args: object) -> int:
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    def missing(args: object) -> int:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", "runs/x.db")
+
+    for func, expected in ((bad_fd, "Bad file descriptor [test_cli.py:"),
+                           (missing, "No such file or directory: 'runs/x.db'\n")):
+        monkeypatch.setattr(cli, "cmd_list", func)  # main builds its parser after this
+        assert cli.main(["list", "runs"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("evoengine: ") and expected in err and err.count("\n") == 1
