@@ -11,7 +11,8 @@ one or several quads a thread at once: COMBINE_ITEMS); on sm_90, the splits in t
 clusters that merge through distributed shared memory (CLUSTER), with one cluster of every
 split and several, and clusters whose splits outnumber the cache's tiles, and the combine
 kernel launched as the main kernel's programmatic dependent (COMBINE_LAUNCH); paged, the tiles'
-page numbers staged in shared memory (PAGE_STAGING "smem") as well as in registers.
+page numbers staged in shared memory (PAGE_STAGING "smem") as well as in registers; on sm_90a,
+S and P.V on wgmma (MMA "wgmma") with every merge, combine and a cluster.
 """
 
 from __future__ import annotations
