@@ -11,6 +11,7 @@ import ast
 import functools
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import re
 import sys
@@ -237,7 +238,11 @@ def compile_many(candidates: Iterable[Candidate], arch: Arch | str,
     if workers == 1:
         yield from map(_compile_job, jobs)
         return
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    # Spawned, not forked: the caller may hold threads (CUDA's, torch's, a notebook's), and the
+    # forked child of a threaded process can deadlock on a lock one of them held (Python 3.12
+    # warns so in the GPU tests). Workers read the caller's environment (EVOENGINE_CACHE,
+    # EVOENGINE_TEMPLATES), not its module state.
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
         yield from pool.map(_compile_job, jobs)
 
 

@@ -117,6 +117,26 @@ def test_compile_many_with_no_candidates() -> None:
     assert list(compile_many([], "sm_80")) == []
 
 
+def test_compile_many_spawns_its_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never forked: a forked child of a threaded caller (CUDA's, torch's threads) can deadlock
+    on a lock another thread held. The workers still see the caller's EVOENGINE_CACHE."""
+    contexts = []
+    real = compile_mod.ProcessPoolExecutor
+
+    def pool(*args, **kwargs):
+        contexts.append(kwargs.get("mp_context"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compile_mod, "ProcessPoolExecutor", pool)
+    cands = [small("wmma"), small("mma")]
+    results = list(compile_many(cands, "sm_80", workers=2))
+    assert [c.get_start_method() if c else None for c in contexts] == ["spawn"]
+    assert [r.identity for r in results] == [c.identity for c in cands]
+    for c, r in zip(cands, results, strict=True):
+        assert r.ok, r.error
+        assert cache_entry(paths.cache_dir(), "sm_80", c).read_bytes() == r.cubin
+
+
 def test_compile_many_in_process_matches_workers() -> None:
     c = small("wmma")
     (one,) = compile_many([c], get_arch("sm_80"), workers=1)

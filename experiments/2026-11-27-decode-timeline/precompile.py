@@ -21,18 +21,24 @@ VARIANTS += [("slices", c, i, cl, False) for cl in (2, 8)
              for c, i in (("kernel", 1), ("fused", 4))]
 VARIANTS += [("slices", c, 1, 1, True) for c in ("kernel", "cooperative")]
 
-arch = gpu_arch()
-cands = []
-for head_dim, dtype, paged, (merge, combine, items, cluster, wave) in itertools.product(
-        (128, 64), ("fp16", "bf16"), (True, False), VARIANTS):
-    if cluster > 1 and arch.sm < 90:
-        continue
-    problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
-    for p in POINTS:
-        p = dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster)
-        if wave:
-            p = dict(p, SPLIT_POLICY="waves", SPLITS=1)
-        if not space().violations(p, problem, arch):
-            cands.append(make_candidate(space(), p, problem, arch))
-bad = [c.identity for c, r in zip(cands, compile_many(cands, arch), strict=True) if not r.ok]
-print(f"{len(cands)} compiled, {len(bad)} failed", *bad, sep="\n")
+
+def main() -> None:  # guarded: compile_many's workers are spawned and import this file
+    arch = gpu_arch()
+    cands = []
+    for head_dim, dtype, paged, (merge, combine, items, cluster, wave) in itertools.product(
+            (128, 64), ("fp16", "bf16"), (True, False), VARIANTS):
+        if cluster > 1 and arch.sm < 90:
+            continue
+        problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
+        for p in POINTS:
+            p = dict(p, MERGE=merge, COMBINE=combine, COMBINE_ITEMS=items, CLUSTER=cluster)
+            if wave:
+                p = dict(p, SPLIT_POLICY="waves", SPLITS=1)
+            if not space().violations(p, problem, arch):
+                cands.append(make_candidate(space(), p, problem, arch))
+    bad = [c.identity for c, r in zip(cands, compile_many(cands, arch), strict=True) if not r.ok]
+    print(f"{len(cands)} compiled, {len(bad)} failed", *bad, sep="\n")
+
+
+if __name__ == "__main__":
+    main()

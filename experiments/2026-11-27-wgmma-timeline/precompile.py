@@ -16,23 +16,29 @@ from evoengine.render import make_candidate  # noqa: E402
 from evoengine.runtime import gpu_arch  # noqa: E402
 from tests.gpu.test_kernels import PROBLEMS, VALUE_TWINS, space  # noqa: E402
 
-if len(sys.argv) != 3:
-    raise SystemExit("usage: precompile.py PARAM VALUE (e.g. O_STORE tma, TILE_OVERLAP True)")
-PARAM, VALUE = sys.argv[1], sys.argv[2]
-VALUE = {"True": True, "False": False}.get(VALUE, int(VALUE) if VALUE.isdigit() else VALUE)
-TWINS = [i for i, (point, _) in enumerate(VALUE_TWINS) if point.get(PARAM) == VALUE]
-arch, sp = gpu_arch(), space("wgmma").with_untested()
-cands, ids = {}, []
-for problem in PROBLEMS:
-    pid = f"d{problem['HEAD_DIM']}-{problem['DTYPE']}-{problem['CAUSAL']}"
-    for i in TWINS:
-        point, legacy = VALUE_TWINS[i]
-        ids.append(f"tests/gpu/test_kernels.py::test_wgmma_value_is_its_twin[{pid}-{i}]")
-        for p in (point, {**point, **legacy}):
-            if not sp.violations(p, problem, arch):
-                c = make_candidate(sp, p, problem, arch)
-                cands[c.identity] = c
-todo = list(cands.values())
-bad = [c.identity for c, r in zip(todo, compile_many(todo, arch), strict=True) if not r.ok]
-(HERE / "ids.txt").write_text("\n".join(ids) + "\n")
-print(f"{len(todo)} compiled, {len(bad)} failed; {len(ids)} tests", *bad, sep="\n")
+
+def main() -> None:  # guarded: compile_many's workers are spawned and import this file
+    if len(sys.argv) != 3:
+        raise SystemExit("usage: precompile.py PARAM VALUE (e.g. O_STORE tma, TILE_OVERLAP True)")
+    PARAM, VALUE = sys.argv[1], sys.argv[2]
+    VALUE = {"True": True, "False": False}.get(VALUE, int(VALUE) if VALUE.isdigit() else VALUE)
+    TWINS = [i for i, (point, _) in enumerate(VALUE_TWINS) if point.get(PARAM) == VALUE]
+    arch, sp = gpu_arch(), space("wgmma").with_untested()
+    cands, ids = {}, []
+    for problem in PROBLEMS:
+        pid = f"d{problem['HEAD_DIM']}-{problem['DTYPE']}-{problem['CAUSAL']}"
+        for i in TWINS:
+            point, legacy = VALUE_TWINS[i]
+            ids.append(f"tests/gpu/test_kernels.py::test_wgmma_value_is_its_twin[{pid}-{i}]")
+            for p in (point, {**point, **legacy}):
+                if not sp.violations(p, problem, arch):
+                    c = make_candidate(sp, p, problem, arch)
+                    cands[c.identity] = c
+    todo = list(cands.values())
+    bad = [c.identity for c, r in zip(todo, compile_many(todo, arch), strict=True) if not r.ok]
+    (HERE / "ids.txt").write_text("\n".join(ids) + "\n")
+    print(f"{len(todo)} compiled, {len(bad)} failed; {len(ids)} tests", *bad, sep="\n")
+
+
+if __name__ == "__main__":
+    main()
