@@ -1,5 +1,5 @@
-"""The index of benchmarks/results/: each file's header and summary, and where README.md and
-docs/NOTES.md cite it.
+"""The index of benchmarks/results/: each file's header and summary, and where README.md,
+docs/NOTES.md and docs/RESULTS.md cite it.
 
     python benchmarks/results_index.py            # rewrite benchmarks/results/INDEX.md
     python benchmarks/results_index.py --check    # exit 1 if INDEX.md is stale or a file or
@@ -8,7 +8,7 @@ docs/NOTES.md cite it.
 Every JSON file carries the header of ``evoengine.provenance.header`` (device, driver, torch,
 date, commit, method; a null one explained by ``header_note``) and a one-line ``summary`` of
 what it measured, added by hand when the file is committed. Every file, JSON or not, must be
-cited by README.md or docs/NOTES.md, and every results path they cite must exist. INDEX.md is
+cited by one of those docs (DOCS), and every results path they cite must exist. INDEX.md is
 written from these alone, so it is never edited by hand; tests/test_results.py checks it.
 """
 
@@ -27,7 +27,7 @@ from evoengine.provenance import HEADER_KEYS  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 INDEX = RESULTS / "INDEX.md"
-DOCS = ("README.md", "docs/NOTES.md")
+DOCS = ("README.md", "docs/NOTES.md", "docs/RESULTS.md")
 # A results path as the docs write it, or a results file by its dated name alone.
 _PATH = re.compile(r"benchmarks/results/[\w./-]*[\w/]")
 _NAME = re.compile(r"(?<![\w/.-])\d{4}-\d\d-\d\d-[\w.-]*\.(?:json|txt)")
@@ -81,7 +81,7 @@ def problems() -> list[str]:
         if name.endswith(".json"):
             out += header_problems(name, json.loads((RESULTS / name).read_text()))
         if not cited[name]:
-            out.append(f"{name}: cited by neither README.md nor docs/NOTES.md")
+            out.append(f"{name}: cited by none of {', '.join(DOCS)}")
     return out
 
 
@@ -96,9 +96,9 @@ def render() -> str:
         "# Results index",
         "",
         "Written by `python benchmarks/results_index.py` from each file's header and summary",
-        "and from where README.md and docs/NOTES.md cite it; do not edit. — : not recorded, or",
-        "no GPU took part (offline compiles, replays, the store benchmark); the file's",
-        "`header_note` says which.",
+        "and from where README.md, docs/NOTES.md and docs/RESULTS.md cite it; do not edit.",
+        "— : not recorded, or no GPU took part (offline compiles, replays, the store",
+        "benchmark); the file's `header_note` says which.",
         "",
         "| file | date | device | commit | what it measured | cited in |",
         "| --- | --- | --- | --- | --- | --- |",

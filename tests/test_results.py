@@ -64,6 +64,7 @@ def test_the_checks_name_what_is_wrong(tmp_path: Path, monkeypatch: pytest.Monke
     (tmp_path / "README.md").write_text(
         "# Results\n`benchmarks/results/2026-01-01-good.json` and `2026-01-01-gone.json`\n")
     (tmp_path / "docs" / "NOTES.md").write_text("## Notes\n")
+    (tmp_path / "docs" / "RESULTS.md").write_text("## Closed\n")
     monkeypatch.setattr(index, "ROOT", tmp_path)
     monkeypatch.setattr(index, "RESULTS", results)
     monkeypatch.setattr(index, "INDEX", results / "INDEX.md")
@@ -71,6 +72,7 @@ def test_the_checks_name_what_is_wrong(tmp_path: Path, monkeypatch: pytest.Monke
     assert "README.md cites benchmarks/results/2026-01-01-gone.json, which does not exist" in found
     assert "2026-01-01-bare.json: no 'commit'" in found
     assert "2026-01-01-bare.json: no 'summary'" in found
-    assert "2026-01-01-bare.json: cited by neither README.md nor docs/NOTES.md" in found
+    assert ("2026-01-01-bare.json: cited by none of README.md, docs/NOTES.md, docs/RESULTS.md"
+            in found)
     assert not [line for line in found if "good.json" in line and "gone" not in line]
     assert "| README › Results |" in index.render()
