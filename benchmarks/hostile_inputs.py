@@ -189,8 +189,11 @@ def cli_cases() -> list[dict[str, Any]]:
                                    "--store", "/tmp/evo-hostile.db"], cwd=ROOT, text=True,
                                   capture_output=True, timeout=limit)
             err = done.stderr.strip().splitlines()
+            # one line: the error is stderr's last, and nothing of CUDA's advice follows it
             results.append({"args": args, "rc": done.returncode, "stderr_tail": err[-3:],
-                            "ok": done.returncode == 2 and "Traceback" not in done.stderr,
+                            "ok": (done.returncode == 2 and "Traceback" not in done.stderr
+                                   and bool(err) and err[-1].startswith("evoengine: ")
+                                   and "CUDA_LAUNCH_BLOCKING" not in done.stderr),
                             "seconds": round(time.perf_counter() - start, 1)})
         except subprocess.TimeoutExpired:
             results.append({"args": args, "ok": False, "why": f"timed out after {limit} s"})

@@ -477,6 +477,33 @@ def broken_worker(conn: Any) -> None:
     conn.send(("error", "no GPU here"))
 
 
+def test_a_worker_that_cannot_start_says_why_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's errors through torch run on for lines of advice; the reason the parent prints
+    keeps the first. A device index past the visible ones is named before CUDA is asked."""
+    import multiprocessing as mp
+
+    import torch
+
+    from evoengine.search import worker
+
+    def cuda_error(*args: Any) -> None:
+        raise RuntimeError("CUDA error: invalid device ordinal\nCUDA kernel errors might be "
+                           "asynchronously reported\nFor debugging consider passing "
+                           "CUDA_LAUNCH_BLOCKING=1")
+
+    parent, child = mp.Pipe()
+    monkeypatch.setattr(worker, "GpuWorker", cuda_error)
+    worker.serve(child, WORKLOAD.to_dict(), 0)
+    assert parent.recv() == ("error", "RuntimeError: CUDA error: invalid device ordinal")
+
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RuntimeError, match=r"^no CUDA device 4 is visible to torch \(devices 0 "
+                                           r"to 1 are\)$"):
+        worker.GpuWorker(WORKLOAD, 4)
+
+
 def test_random_landscape_sanity() -> None:
     """fake_time has a unique optimum among admitted points (the tests above rely on it)."""
     domain = Domain([mma()], WORKLOAD, SM90)

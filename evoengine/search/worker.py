@@ -208,7 +208,7 @@ def serve(conn: Any, workload_dict: dict[str, Any], device: int) -> None:
     try:
         worker = GpuWorker(workload_from_dict(workload_dict), device)
     except Exception as e:  # noqa: BLE001 (reported to the parent, which raises)
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.send(("error", f"{type(e).__name__}: {_first_line(e)}"))
         return
     conn.send(("ready", worker.info))
     while True:
@@ -221,9 +221,8 @@ def serve(conn: Any, workload_dict: dict[str, Any], device: int) -> None:
         try:
             result = _answer(worker, op, payload)
         except Exception as e:  # noqa: BLE001
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             where = traceback.extract_tb(e.__traceback__)[-1]
-            conn.send(("fault", f"fault: {type(e).__name__}: {first} "
+            conn.send(("fault", f"fault: {type(e).__name__}: {_first_line(e)} "
                                 f"[{where.filename.rsplit('/', 1)[-1]}:{where.lineno}]"))
             conn.close()
             os._exit(3)  # no destructors on a context a fault may have broken
@@ -260,6 +259,9 @@ class GpuWorker:
 
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA GPU is visible to torch")
+        if not 0 <= device < torch.cuda.device_count():
+            raise RuntimeError(f"no CUDA device {device} is visible to torch (devices 0 to "
+                               f"{torch.cuda.device_count() - 1} are)")
         torch.cuda.set_device(device)
         self.device = device
         self.workload = workload
@@ -319,6 +321,13 @@ class GpuWorker:
                             "rounds": len(s)} for s in samples],
             **{a: (statistics.median(v) if v else None) for a, v in anchors.items()},
         }
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's message up to its first line break: CUDA's errors through torch go on
+    for lines of debugging advice, and the parent prints the reason as one line."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _finite(x: float) -> float | None:
