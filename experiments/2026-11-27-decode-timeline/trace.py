@@ -64,6 +64,23 @@ COMBINE_TRACED = ("    evo_mark(3);\n    if constexpr (COMBINE_COOP) combine_tog
                   "    evo_mark(4);\n    return;\n  }\n")
 
 
+# The combine kernel (COMBINE "kernel"; added 2026-11-29): each block's thread 0 marks when its
+# wait for the main kernel returned (a programmatic launch's griddepcontrol.wait; at once for
+# a stream launch) and when it is done (thread 0's own return: every thread of a block walks the
+# same splits), in rows COMBINE_ROW + blockIdx.x of the same array.
+COMBINE_ROW = MAX_BLOCKS // 2
+COMBINE_KERNEL = ("  if constexpr (COMBINE_PDL) wait_for_prerequisites();\n"
+                  "  constexpr int ROW_THREADS = HEAD_DIM / 4;\n")
+COMBINE_KERNEL_TRACED = (
+    "  if constexpr (COMBINE_PDL) wait_for_prerequisites();\n"
+    f"  if (threadIdx.x == 0 && blockIdx.x < {MAX_BLOCKS - COMBINE_ROW}) "
+    f"evo_trace[({COMBINE_ROW} + blockIdx.x) * {SLOTS}] = evo_now();\n"
+    "  struct EvoDone { ~EvoDone() { if (threadIdx.x == 0 && blockIdx.x < "
+    f"{MAX_BLOCKS - COMBINE_ROW}) evo_trace[({COMBINE_ROW} + blockIdx.x) * {SLOTS} + 1] = "
+    "evo_now(); } } evo_done;\n"
+    "  constexpr int ROW_THREADS = HEAD_DIM / 4;\n")
+
+
 def traced_source(source: str) -> str:
     for anchor, text in PATCHES:
         if source.count(anchor) != 1:
@@ -72,27 +89,47 @@ def traced_source(source: str) -> str:
     if source.count(COMBINE_CALL) != 1:
         raise SystemExit("trace: the template changed: the slices merge's combine call")
     source = source.replace(COMBINE_CALL, COMBINE_TRACED)
+    if source.count(COMBINE_KERNEL) == 1:  # the combine kernel's blocks, past the main ones
+        source = source.replace(COMBINE_KERNEL, COMBINE_KERNEL_TRACED)
     first = source.index('extern "C"')  # after the includes and cfg, before the kernels
     return source[:first] + PRELUDE + source[first:]
 
 
-def summarise(trace: list[list[int]]) -> dict[str, Any]:
+def trace_buffer(module: Any) -> Any:
+    """A module's evo_trace as a cupy array of [MAX_BLOCKS, SLOTS] uint64."""
+    import cupy
+
+    ptr = module.get_global_var("evo_trace")  # a device address
+    mem = cupy.cuda.UnownedMemory(ptr, MAX_BLOCKS * SLOTS * 8, module)
+    return cupy.ndarray((MAX_BLOCKS, SLOTS), dtype=cupy.uint64,
+                        memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+
+def summarise(trace: list[list[int]], combine: list[list[int]] | None = None) -> dict[str, Any]:
+    """The main kernel's blocks (``trace``) and the combine kernel's ([waited, done] a block)."""
     t0 = min(b[0] for b in trace)
     us = lambda ns: ns / 1e3  # noqa: E731
     starts = [us(b[0] - t0) for b in trace]
     first = [us(b[1] - b[0]) for b in trace if b[1]]
     loop = [us(b[2] - t0) for b in trace]
     merge = [us(b[3] - b[2]) for b in trace]
-    combine = sorted(us(b[4] - b[3]) for b in trace)
+    tail = sorted(us(b[4] - b[3]) for b in trace)
     end = [us(b[4] - t0) for b in trace]
+    waited = [us(c[0] - t0) for c in combine or []]
+    done = [us(c[1] - t0) for c in combine or []]
     return dict(
         blocks=len(trace), sms=len({b[MARKS] for b in trace}),
         span_us=max(end), start_last_us=max(starts),
         first_tile_us=[min(first), statistics.median(first), max(first)],
         loop_end_us=[min(loop), statistics.median(loop), max(loop)],
         merge_write_us=statistics.median(merge),
-        combine_top_us=combine[-8:], end_median_us=statistics.median(end),
-        ends_after_last_loop_us=max(end) - max(loop))
+        combine_top_us=tail[-8:], end_median_us=statistics.median(end),
+        ends_after_last_loop_us=max(end) - max(loop),
+        **({} if not combine else dict(
+            combine_blocks=len(combine),
+            combine_waited_us=[min(waited), statistics.median(waited), max(waited)],
+            combine_done_us=[min(done), statistics.median(done), max(done)],
+            combine_ends_after_main_us=max(done) - max(end))))
 
 
 def main() -> int:
@@ -131,20 +168,21 @@ def main() -> int:
             for i in range(3 * len(sets)):  # warm
                 call(i % len(sets))
             torch.cuda.synchronize()
-            module = kernel.main.load(torch.cuda.current_device()).owner[0]  # (module, function)
-            import cupy
-
-            ptr = module.get_global_var("evo_trace")  # a device address
-            mem = cupy.cuda.UnownedMemory(ptr, MAX_BLOCKS * SLOTS * 8, module)
-            buf = cupy.ndarray((MAX_BLOCKS, SLOTS), dtype=cupy.uint64,
-                               memptr=cupy.cuda.MemoryPointer(mem, 0))
-            buf[:] = 0
+            device = torch.cuda.current_device()
+            # The two entries load the cubin as two modules, each with its own evo_trace.
+            bufs = [trace_buffer(kernel.main.load(device).owner[0])]
+            if params["COMBINE"] == "kernel":
+                bufs.append(trace_buffer(kernel.combine.load(device).owner[0]))
+            for buf in bufs:
+                buf[:] = 0
             torch.cuda.synchronize()
             call(0)
             torch.cuda.synchronize()
-            data = buf.get()
+            data = bufs[0].get()[:COMBINE_ROW]
             trace = [[int(x) for x in row] for row in data if row[0]]
-            s = summarise(trace)
+            combine = ([[int(x) for x in row[:2]] for row in bufs[1].get()[COMBINE_ROW:] if row[0]]
+                       if len(bufs) > 1 else [])
+            s = summarise(trace, combine)
             row = dict(workload=key, params=params, **s)
             rows.append(row)
             print(f"{key} BM{params['BLOCK_M']} BN{params['BLOCK_N']} W{params['NUM_WARPS']} "
@@ -154,7 +192,11 @@ def main() -> int:
                   f"(max {s['first_tile_us'][2]:.1f}), loops end {s['loop_end_us'][0]:.1f}/"
                   f"{s['loop_end_us'][1]:.1f}/{s['loop_end_us'][2]:.1f}, merge+write "
                   f"{s['merge_write_us']:.2f}, combine tail {s['combine_top_us'][-1]:.2f}, "
-                  f"after last loop {s['ends_after_last_loop_us']:.2f}", flush=True)
+                  f"after last loop {s['ends_after_last_loop_us']:.2f}"
+                  + (f"; combine: {s['combine_blocks']} blocks, waits end "
+                     f"{s['combine_waited_us'][0]:.1f}/{s['combine_waited_us'][2]:.1f}, done "
+                     f"{s['combine_done_us'][2]:.1f} ({s['combine_ends_after_main_us']:.2f} after "
+                     "the main kernel)" if "combine_blocks" in s else ""), flush=True)
             rows[-1]["blocks_trace"] = trace
             Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
         del sets
