@@ -286,6 +286,42 @@ def test_interrupt_keeps_what_was_measured_and_resumes(tmp_path: Path) -> None:
     assert not set(again.evaluated) & kept
 
 
+def slow_compile(candidate: Candidate, arch: str) -> CompileResult:
+    """A compile that outlasts any test: what a Ctrl-C finds in flight."""
+    time.sleep(600)
+    return stub_compile(candidate, arch)
+
+
+class InterruptWhileCompiling(Progress):
+    """Ctrl-C, as the loop reports progress, once a compile has run for a second."""
+
+    def __init__(self) -> None:
+        super().__init__(1.0, quiet=True)
+        self.since: float | None = None
+
+    def update(self, t: Any, force: bool = False) -> None:
+        if t.compiling and not force:
+            self.since = self.since or time.monotonic()
+            if time.monotonic() - self.since > 1.0:
+                raise KeyboardInterrupt
+
+
+def test_the_compilers_are_gone_when_a_search_returns(tmp_path: Path) -> None:
+    """Its compile pool is joined before the final re-time and the store (never left closing
+    its pipes beside them), whether the search drained it or a Ctrl-C found compiles running."""
+    import multiprocessing as mp
+
+    result = run(config(tmp_path, trials=6), FakeEvaluator())
+    assert result.status == "done" and not mp.active_children()
+
+    start = time.monotonic()
+    result = search(config(tmp_path, trials=6, study="slow"), evaluator=FakeEvaluator(),
+                    progress=InterruptWhileCompiling(), compile_fn=slow_compile)
+    assert result.status == "interrupted"
+    assert not mp.active_children()  # the running compiles ended, not left to sleep
+    assert time.monotonic() - start < 60
+
+
 def test_exhausting_the_domain_stops_the_search(tmp_path: Path) -> None:
     result = run(config(tmp_path, spaces=[small_space(tmp_path)], trials=50), FakeEvaluator())
     assert result.tally.finished == 6

@@ -517,6 +517,7 @@ class _Loop:
         """Fail the trials that were not measured (interrupted) and give back their claims:
         nothing was measured, so a later run (or another worker) may propose them again."""
         pending = self._pending()
+        compiling = bool(self.inflight)
         self.inflight.clear()
         self.ready.clear()
         self.evaluating.clear()
@@ -527,8 +528,27 @@ class _Loop:
                 pass
         self.coord.release_quietly([p.candidate.identity for p in pending])
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            _stop_compilers(self._pool, compiling)
             self._pool = None
+
+
+def _stop_compilers(pool: ProcessPoolExecutor, compiling: bool) -> None:
+    """Shut the compile pool down before the search goes on to its final re-time and the
+    store: compiles still running (a Ctrl-C stops the loop with some in flight; a search that
+    ends on its budget has drained them) are ended, then the pool is joined. Not
+    ``shutdown(wait=False)``: that leaves the pool's manager thread closing its pipes beside
+    this thread, which CPython did without a lock against other threads' use of them until
+    late 2024 (gh-125451; the device's Python 3.12.3 predates it). It is the likely end of one
+    search on a bare "[Errno 9] Bad file descriptor" (docs/NOTES.md, 2026-11-29)."""
+    if compiling:
+        terminate = getattr(pool, "terminate_workers", None)  # Python 3.14
+        if terminate is not None:
+            terminate()
+        else:
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                if process.is_alive():
+                    process.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _final(config: SearchConfig, domain: Domain, evidence: Evidence, evaluator: Evaluator,
