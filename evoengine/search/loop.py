@@ -538,8 +538,8 @@ def _stop_compilers(pool: ProcessPoolExecutor, compiling: bool) -> None:
     ends on its budget has drained them) are ended, then the pool is joined. Not
     ``shutdown(wait=False)``: that leaves the pool's manager thread closing its pipes beside
     this thread, which CPython did without a lock against other threads' use of them until
-    late 2024 (gh-125451; the device's Python 3.12.3 predates it). It is the likely end of one
-    search on a bare "[Errno 9] Bad file descriptor" (docs/NOTES.md, 2026-11-29)."""
+    late 2024 (gh-125451; the device's Python 3.12.3 predates it): the candidate cause of one
+    search's end on a bare "[Errno 9] Bad file descriptor" (docs/NOTES.md, 2026-11-29)."""
     if compiling:
         terminate = getattr(pool, "terminate_workers", None)  # Python 3.14
         if terminate is not None:
