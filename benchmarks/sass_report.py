@@ -6,6 +6,7 @@
     python benchmarks/sass_report.py --points benchmarks/wgmma_retime_points.json --json
     python benchmarks/sass_report.py --store sqlite:///runs/evoengine.db --elites
     python benchmarks/sass_report.py --family mma --params '{...}' --loop-path
+    python benchmarks/sass_report.py --family decode --head-dim 128 --paged --params '{...}'
 
 Compiles offline for sm_90a (NVRTC, no GPU), writes each cubin to a temporary file and
 disassembles it with cuobjdump (from PATH, CUDA_HOME or the nvidia-cuda-cuobjdump wheel).
@@ -254,7 +255,9 @@ def print_table(rows: list[dict]) -> None:
           f"{'LDL/STL':>7} {'EX2':>4} {'BAR':>4} {'SYNCS':>5} {'hot loop':>8}  params")
     for r in rows:
         pr = r["problem"]
-        name = f"d{pr['HEAD_DIM']} {pr['DTYPE']} {'causal' if pr['CAUSAL'] else 'full'}"
+        flag = (("causal" if pr["CAUSAL"] else "full") if "CAUSAL" in pr
+                else ("paged" if pr.get("PAGED") else "contig"))
+        name = f"d{pr['HEAD_DIM']} {pr['DTYPE']} {flag}"
         if not r["ok"]:
             print(f"{name:16} ERROR {r['error']}  {_short(r['params'])}")
             continue
@@ -275,6 +278,8 @@ def main() -> None:
     ap.add_argument("--dtype", help="fp16 or bf16 (default fp16, or the results' own)")
     ap.add_argument("--causal", action="store_true", help="only causal (default: both)")
     ap.add_argument("--full", action="store_true", help="only non-causal (default: both)")
+    ap.add_argument("--paged", action="store_true", help="decode: only a paged cache")
+    ap.add_argument("--contiguous", action="store_true", help="decode: only a contiguous cache")
     ap.add_argument("--results", type=Path, action="append", default=[],
                     help="results JSON (rows of compare.py, retime.py or wgmma_smoke.py)")
     ap.add_argument("--points", type=Path, action="append", default=[],
@@ -290,12 +295,17 @@ def main() -> None:
     args = ap.parse_args()
 
     points: list[Point] = []
-    causals = [True] if args.causal else [False] if args.full else [False, True]
+    # The family's boolean problem dimension: CAUSAL (the forward's kinds) or PAGED (decode).
+    flag = "PAGED" if "PAGED" in _space(args.family).problem else "CAUSAL"
+    if flag == "PAGED":
+        values = [True] if args.paged else [False] if args.contiguous else [False, True]
+    else:
+        values = [True] if args.causal else [False] if args.full else [False, True]
     for text in args.params:
         for d in args.head_dim or [64, 128]:
-            for c in causals:
+            for v in values:
                 points.append(Point(args.family, json.loads(text),
-                                    {"HEAD_DIM": d, "DTYPE": args.dtype or "fp16", "CAUSAL": c}))
+                                    {"HEAD_DIM": d, "DTYPE": args.dtype or "fp16", flag: v}))
     for f in args.results:
         points += points_from_results(json.loads(f.read_text()), args.dtype)
     for f in args.points:
