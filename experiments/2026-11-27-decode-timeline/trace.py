@@ -67,18 +67,14 @@ COMBINE_TRACED = ("    evo_mark(3);\n    if constexpr (COMBINE_COOP) combine_tog
 # The combine kernel (COMBINE "kernel"; added 2026-11-29): each block's thread 0 marks when its
 # wait for the main kernel returned (a programmatic launch's griddepcontrol.wait; at once for
 # a stream launch) and when it is done (thread 0's own return: every thread of a block walks the
-# same splits), in rows COMBINE_ROW + blockIdx.x of the same array.
-COMBINE_ROW = MAX_BLOCKS // 2
-COMBINE_KERNEL = ("  if constexpr (COMBINE_PDL) wait_for_prerequisites();\n"
-                  "  constexpr int ROW_THREADS = HEAD_DIM / 4;\n")
-COMBINE_KERNEL_TRACED = (
-    "  if constexpr (COMBINE_PDL) wait_for_prerequisites();\n"
-    f"  if (threadIdx.x == 0 && blockIdx.x < {MAX_BLOCKS - COMBINE_ROW}) "
-    f"evo_trace[({COMBINE_ROW} + blockIdx.x) * {SLOTS}] = evo_now();\n"
-    "  struct EvoDone { ~EvoDone() { if (threadIdx.x == 0 && blockIdx.x < "
-    f"{MAX_BLOCKS - COMBINE_ROW}) evo_trace[({COMBINE_ROW} + blockIdx.x) * {SLOTS} + 1] = "
-    "evo_now(); } } evo_done;\n"
-    "  constexpr int ROW_THREADS = HEAD_DIM / 4;\n")
+# same splits), in row blockIdx.x of its own module's evo_trace (the two entries load the cubin
+# as two modules).
+PATCHES.append((
+    "  if constexpr (COMBINE_PDL) wait_for_prerequisites();\n",
+    f"  if (threadIdx.x == 0 && blockIdx.x < {MAX_BLOCKS}) "
+    f"evo_trace[blockIdx.x * {SLOTS}] = evo_now();\n"
+    f"  struct EvoDone {{ ~EvoDone() {{ if (threadIdx.x == 0 && blockIdx.x < {MAX_BLOCKS}) "
+    f"evo_trace[blockIdx.x * {SLOTS} + 1] = evo_now(); }} }} evo_done;\n"))
 
 
 def traced_source(source: str) -> str:
@@ -89,8 +85,6 @@ def traced_source(source: str) -> str:
     if source.count(COMBINE_CALL) != 1:
         raise SystemExit("trace: the template changed: the slices merge's combine call")
     source = source.replace(COMBINE_CALL, COMBINE_TRACED)
-    if source.count(COMBINE_KERNEL) == 1:  # the combine kernel's blocks, past the main ones
-        source = source.replace(COMBINE_KERNEL, COMBINE_KERNEL_TRACED)
     first = source.index('extern "C"')  # after the includes and cfg, before the kernels
     return source[:first] + PRELUDE + source[first:]
 
@@ -169,7 +163,6 @@ def main() -> int:
                 call(i % len(sets))
             torch.cuda.synchronize()
             device = torch.cuda.current_device()
-            # The two entries load the cubin as two modules, each with its own evo_trace.
             bufs = [trace_buffer(kernel.main.load(device).owner[0])]
             if params["COMBINE"] == "kernel":
                 bufs.append(trace_buffer(kernel.combine.load(device).owner[0]))
@@ -178,9 +171,8 @@ def main() -> int:
             torch.cuda.synchronize()
             call(0)
             torch.cuda.synchronize()
-            data = bufs[0].get()[:COMBINE_ROW]
-            trace = [[int(x) for x in row] for row in data if row[0]]
-            combine = ([[int(x) for x in row[:2]] for row in bufs[1].get()[COMBINE_ROW:] if row[0]]
+            trace = [[int(x) for x in row] for row in bufs[0].get() if row[0]]
+            combine = ([[int(x) for x in row[:2]] for row in bufs[1].get() if row[0]]
                        if len(bufs) > 1 else [])
             s = summarise(trace, combine)
             row = dict(workload=key, params=params, **s)
