@@ -12,12 +12,15 @@ rendered source is patched (the template is not), one variant a patch:
   griddepcontrol.wait on the stale parts, its result dropped (the same instructions fetched
   early; loads through L2 only, so nothing stale is left in L1);
 - relaxed: the cluster merge's last barrier arrives without release semantics;
-- dry+relaxed.
+- dry+relaxed;
+- tree: the tree's template as it is (with --base-templates DIR, the others are patches of the
+  template under DIR: the tree's before these changes, for an A/B in one process).
 
 Every variant of every point goes through the criterion on every row first; then graph replay,
 rounds interleaved; then one traced launch of each (trace.py's marks) on the first two rows.
 
 Usage: python experiments/2026-11-29-decode-tail/variants.py --out FILE [--rounds 5]
+           [--base-templates DIR --variants base dry+relaxed tree]
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ WORKLOADS = ["decode-b1-q4-h64-kv8-d128-c32768-paged64-bf16",
              "decode-b1-q4-h64-kv8-d128-c4096-paged64-bf16",
              "decode-b1-q1-h32-kv8-d128-c131072-paged64-bf16",
              "decode-b8-q4-h64-kv8-d128-c32768-paged64-bf16"]
-VARIANTS = ("base", "once", "dry", "relaxed", "dry+relaxed")
+VARIANTS = ("base", "once", "dry", "relaxed", "dry+relaxed", "tree")
 
 QUAD_HEAD = "template <bool COHERENT>\n__device__ __forceinline__ void combine_quad("
 QUAD_END = "\n// The fused combine with ITEMS"
@@ -154,6 +157,8 @@ def patch(src: str, variant: str) -> str:
         if s.count(old) != 1:
             raise SystemExit(f"variants: the template changed: {old[:60]!r} not there once")
         return s.replace(old, new)
+    if variant in ("base", "tree"):
+        return src
     if variant in ("once", "dry", "dry+relaxed"):
         head = src.index(QUAD_HEAD)
         end = src.index(QUAD_END, head)
@@ -172,7 +177,10 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--offline", metavar="ARCH", help="compile every variant for ARCH and stop")
+    ap.add_argument("--base-templates", type=Path, help="the templates the patches apply to")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:-1]))
     args = ap.parse_args()
+    variants = args.variants
 
     from evoengine import paths
     from evoengine.compile import compile_source
@@ -193,9 +201,10 @@ def main() -> int:
             key = WORKLOADS[0] if paged else WORKLOADS[2]
             cand = make_candidate(space, space.complete(dict(BASE, **p)),
                                   workload_from_key(key).problem(), arch)
-            src = render(cand)
-            for variant in VARIANTS:
-                jobs.append((name, paged, variant, cand, patch(src, variant)))
+            src = render(cand, args.base_templates)
+            for variant in variants:
+                jobs.append((name, paged, variant, cand,
+                             render(cand) if variant == "tree" else patch(src, variant)))
 
     def build(job: tuple):
         name, paged, variant, cand, src = job
@@ -249,7 +258,7 @@ def main() -> int:
         for name in POINTS:
             base = med[f"{name} | base"]
             print(f"  {name} base {base:7.2f} us " + " ".join(
-                f"{v} {base / med[f'{name} | {v}']:.3f}" for v in VARIANTS[1:]))
+                f"{v} {base / med[f'{name} | {v}']:.3f}" for v in variants[1:]))
         if key in WORKLOADS[:2]:  # one traced launch of each
             traces = {}
             for name, variant in mine:
