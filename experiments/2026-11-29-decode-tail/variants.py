@@ -179,6 +179,8 @@ def main() -> int:
     ap.add_argument("--offline", metavar="ARCH", help="compile every variant for ARCH and stop")
     ap.add_argument("--base-templates", type=Path, help="the templates the patches apply to")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:-1]))
+    ap.add_argument("--workloads", nargs="+", default=WORKLOADS)
+    ap.add_argument("--no-trace", action="store_true")
     args = ap.parse_args()
     variants = args.variants
 
@@ -238,7 +240,7 @@ def main() -> int:
     kernels = {(j[0], j[1], j[2]): DecodeKernel(j[3], c) for j, c in zip(jobs, built, strict=True)}
     sources = {(j[0], j[1], j[2]): (j[3], j[4]) for j in jobs}
     rows = []
-    for key in WORKLOADS:
+    for key in args.workloads:
         w = workload_from_key(key)
         paged = w.layout == "paged"
         mine = {(n, v): k for (n, p, v), k in kernels.items() if p == paged}
@@ -259,7 +261,7 @@ def main() -> int:
             base = med[f"{name} | base"]
             print(f"  {name} base {base:7.2f} us " + " ".join(
                 f"{v} {base / med[f'{name} | {v}']:.3f}" for v in variants[1:]))
-        if key in WORKLOADS[:2]:  # one traced launch of each
+        if key in WORKLOADS[:2] and not args.no_trace:  # one traced launch of each
             traces = {}
             for name, variant in mine:
                 cand, src = sources[(name, paged, variant)]
