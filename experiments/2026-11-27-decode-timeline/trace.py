@@ -99,6 +99,28 @@ def trace_buffer(module: Any) -> Any:
                         memptr=cupy.cuda.MemoryPointer(mem, 0))
 
 
+def traced_launch(kernel: Any, call: Any, n_sets: int, combine: bool) -> dict[str, Any]:
+    """``call`` (a traced kernel's timed call) warmed over its ``n_sets`` inputs, then launched
+    once with the trace buffers zeroed; ``summarise``'s dict, with the main kernel's blocks as
+    ``blocks_trace``. ``combine``: the combine kernel's buffer too (COMBINE "kernel")."""
+    import torch
+
+    for i in range(3 * n_sets):  # warm
+        call(i % n_sets)
+    torch.cuda.synchronize()
+    device = torch.cuda.current_device()
+    bufs = [trace_buffer(kernel.main.load(device).owner[0])]
+    if combine:
+        bufs.append(trace_buffer(kernel.combine.load(device).owner[0]))
+    for buf in bufs:
+        buf[:] = 0
+    torch.cuda.synchronize()
+    call(0)
+    torch.cuda.synchronize()
+    trace = [[int(x) for x in row] for row in bufs[0].get() if row[0]]
+    marks = [[int(x) for x in row[:2]] for row in bufs[1].get() if row[0]] if combine else []
+    return dict(summarise(trace, marks), blocks_trace=trace)
+
 def summarise(trace: list[list[int]], combine: list[list[int]] | None = None) -> dict[str, Any]:
     """The main kernel's blocks (``trace``) and the combine kernel's ([waited, done] a block)."""
     t0 = min(b[0] for b in trace)
@@ -158,24 +180,9 @@ def main() -> int:
             if not compiled.ok:
                 raise SystemExit(f"trace: {cand.identity}: {compiled.error}")
             kernel = DecodeKernel(cand, compiled)
-            call = problem.timed_call(kernel, w, sets)
-            for i in range(3 * len(sets)):  # warm
-                call(i % len(sets))
-            torch.cuda.synchronize()
-            device = torch.cuda.current_device()
-            bufs = [trace_buffer(kernel.main.load(device).owner[0])]
-            if params["COMBINE"] == "kernel":
-                bufs.append(trace_buffer(kernel.combine.load(device).owner[0]))
-            for buf in bufs:
-                buf[:] = 0
-            torch.cuda.synchronize()
-            call(0)
-            torch.cuda.synchronize()
-            trace = [[int(x) for x in row] for row in bufs[0].get() if row[0]]
-            combine = ([[int(x) for x in row[:2]] for row in bufs[1].get() if row[0]]
-                       if len(bufs) > 1 else [])
-            s = summarise(trace, combine)
-            row = dict(workload=key, params=params, **s)
+            s = traced_launch(kernel, problem.timed_call(kernel, w, sets), len(sets),
+                              combine=params["COMBINE"] == "kernel")
+            row = dict(workload=key, params=params, **s)  # blocks_trace last
             rows.append(row)
             print(f"{key} BM{params['BLOCK_M']} BN{params['BLOCK_N']} W{params['NUM_WARPS']} "
                   f"S{params['STAGES']} {params['COMBINE']}/{params['COMBINE_ITEMS']}: "
@@ -189,7 +196,6 @@ def main() -> int:
                      f"{s['combine_waited_us'][0]:.1f}/{s['combine_waited_us'][2]:.1f}, done "
                      f"{s['combine_done_us'][2]:.1f} ({s['combine_ends_after_main_us']:.2f} after "
                      "the main kernel)" if "combine_blocks" in s else ""), flush=True)
-            rows[-1]["blocks_trace"] = trace
             Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
         del sets
         torch.cuda.empty_cache()

@@ -271,21 +271,7 @@ def main() -> int:
                 if not c.ok:
                     raise SystemExit(f"trace {name} {variant}: {c.error}")
                 tk = DecodeKernel(cand, c)
-                call = problem.timed_call(tk, w, sets)
-                for i in range(3 * len(sets)):
-                    call(i % len(sets))
-                torch.cuda.synchronize()
-                device = torch.cuda.current_device()
-                bufs = [tl.trace_buffer(tk.main.load(device).owner[0]),
-                        tl.trace_buffer(tk.combine.load(device).owner[0])]
-                for buf in bufs:
-                    buf[:] = 0
-                torch.cuda.synchronize()
-                call(0)
-                torch.cuda.synchronize()
-                main = [[int(x) for x in r] for r in bufs[0].get() if r[0]]
-                comb = [[int(x) for x in r[:2]] for r in bufs[1].get() if r[0]]
-                s = tl.summarise(main, comb)
+                s = tl.traced_launch(tk, problem.timed_call(tk, w, sets), len(sets), combine=True)
                 traces[f"{name} | {variant}"] = {k_: v_ for k_, v_ in s.items()
                                                  if k_ != "blocks_trace"}
                 print(f"    trace {name} {variant}: span {s['span_us']:.1f}, merge+write "
