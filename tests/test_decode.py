@@ -734,6 +734,31 @@ def test_the_programmatic_combine_launch_waits_for_the_main_kernel() -> None:
             main = sass_opcodes(cubin, "attn_decode")
             combine = sass_opcodes(cubin, "attn_decode_combine")
             assert ("PREEXIT" in main) == ("ACQBULK" in combine) == (launch == "programmatic")
+            if launch == "programmatic":
+                assert merges_dry_before_the_wait(cubin)
+
+
+def merges_dry_before_the_wait(cubin: bytes) -> bool:
+    """Whether the programmatic combine's last call before its griddepcontrol.wait (ACQBULK)
+    and its first after it go to one function: its merge run dry before the wait and for real
+    after it, the same instructions."""
+    import subprocess
+    import tempfile
+
+    from tests.test_backward import CUOBJDUMP
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", "-fun", "attn_decode_combine", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    lines = [line for line in sass.splitlines() if "ACQBULK" in line or "CALL.REL" in line]
+    wait = next(i for i, line in enumerate(lines) if "ACQBULK" in line)
+    before = [line.split("CALL.REL.NOINC")[1].split(";")[0].strip()
+              for line in lines[:wait] if "CALL.REL" in line]
+    after = [line.split("CALL.REL.NOINC")[1].split(";")[0].strip()
+             for line in lines[wait + 1:] if "CALL.REL" in line]
+    return bool(before) and bool(after) and before[-1] == after[0]
 
 
 def test_a_programmatic_combine_spreads_over_the_sms() -> None:
