@@ -736,12 +736,10 @@ def test_the_programmatic_combine_launch_waits_for_the_main_kernel() -> None:
             assert ("PREEXIT" in main) == ("ACQBULK" in combine) == (launch == "programmatic")
             if launch == "programmatic":
                 assert merges_dry_before_the_wait(cubin)
+                assert loads_in_one_run(cubin) >= 16, "8 LSEs and 8 parts with no branch between"
 
 
-def merges_dry_before_the_wait(cubin: bytes) -> bool:
-    """Whether the programmatic combine's last call before its griddepcontrol.wait (ACQBULK)
-    and its first after it go to one function: its merge run dry before the wait and for real
-    after it, the same instructions."""
+def combine_sass(cubin: bytes) -> str:
     import subprocess
     import tempfile
 
@@ -750,9 +748,29 @@ def merges_dry_before_the_wait(cubin: bytes) -> bool:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([CUOBJDUMP, "-sass", "-fun", "attn_decode_combine", f.name],
+        return subprocess.run([CUOBJDUMP, "-sass", "-fun", "attn_decode_combine", f.name],
                               capture_output=True, text=True, check=True).stdout
-    lines = [line for line in sass.splitlines() if "ACQBULK" in line or "CALL.REL" in line]
+
+
+def loads_in_one_run(cubin: bytes) -> int:
+    """The most global loads of the combine kernel (its called function included) with no
+    branch, call or return between them: a merge of up to 8 splits with all its loads in
+    flight at once has at least 16 in one run (8 LSEs, 8 parts)."""
+    best = run = 0
+    for line in combine_sass(cubin).splitlines():
+        if " BRA " in line or "CALL.REL" in line or "RET.REL" in line:
+            run = 0
+        elif "LDG.E" in line:
+            run += 1
+            best = max(best, run)
+    return best
+
+def merges_dry_before_the_wait(cubin: bytes) -> bool:
+    """Whether the programmatic combine's last call before its griddepcontrol.wait (ACQBULK)
+    and its first after it go to one function: its merge run dry before the wait and for real
+    after it, the same instructions."""
+    lines = [line for line in combine_sass(cubin).splitlines()
+             if "ACQBULK" in line or "CALL.REL" in line]
     wait = next(i for i, line in enumerate(lines) if "ACQBULK" in line)
     before = [line.split("CALL.REL.NOINC")[1].split(";")[0].strip()
               for line in lines[:wait] if "CALL.REL" in line]
