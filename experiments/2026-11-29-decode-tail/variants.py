@@ -14,7 +14,9 @@ rendered source is patched (the template is not), one variant a patch:
 - relaxed: the cluster merge's last barrier arrives without release semantics;
 - dry+relaxed;
 - tree: the tree's template as it is (with --base-templates DIR, the others are patches of the
-  template under DIR: the tree's before these changes, for an A/B in one process).
+  template under DIR: the tree's before these changes, for an A/B in one process);
+- tree-int: the tree's, the combine kernel's index arithmetic in 32 bits (the patch's; added
+  after the run of 2026-11-29 left the tree 3% behind the patch at 4K, not yet run).
 
 Every variant of every point goes through the criterion on every row first; then graph replay,
 rounds interleaved; then one traced launch of each (trace.py's marks) on the first two rows.
@@ -48,7 +50,7 @@ WORKLOADS = ["decode-b1-q4-h64-kv8-d128-c32768-paged64-bf16",
              "decode-b1-q4-h64-kv8-d128-c4096-paged64-bf16",
              "decode-b1-q1-h32-kv8-d128-c131072-paged64-bf16",
              "decode-b8-q4-h64-kv8-d128-c32768-paged64-bf16"]
-VARIANTS = ("base", "once", "dry", "relaxed", "dry+relaxed", "tree")
+VARIANTS = ("base", "once", "dry", "relaxed", "dry+relaxed", "tree", "tree-int")
 
 QUAD_HEAD = "template <bool COHERENT>\n__device__ __forceinline__ void combine_quad("
 QUAD_END = "\n// The fused combine with ITEMS"
@@ -146,6 +148,11 @@ COMBINE_DRY = (  # the whole kernel's body: its index arithmetic before the wait
     + WAIT +
     "  combine_quad_cold(O_part, LSE_part, O, LSE, rows, row, c, b, token, head, q_len, q_heads,\n"
     "                    splits, o_sb, o_ss, o_sh, false);\n}")
+TREE_INDEX = ("  const long long gid = (long long)blockIdx.x * COMBINE_THREADS + threadIdx.x;\n"
+              "  const long long row = gid / ROW_THREADS, rows = (long long)batch * q_len * "
+              "q_heads;\n")
+TREE_INDEX_INT = ("  const int gid = blockIdx.x * COMBINE_THREADS + threadIdx.x;\n"
+                  "  const int row = gid / ROW_THREADS, rows = batch * q_len * q_heads;\n")
 LAST_SYNC = ("    cluster_sync();  // no block leaves, its shared memory with it, while another "
              "reads it\n")
 RELAXED_SYNC = ('    asm volatile("barrier.cluster.arrive.relaxed.aligned;\\n\\t'
@@ -159,6 +166,8 @@ def patch(src: str, variant: str) -> str:
         return s.replace(old, new)
     if variant in ("base", "tree"):
         return src
+    if variant == "tree-int":
+        return once(src, TREE_INDEX, TREE_INDEX_INT)
     if variant in ("once", "dry", "dry+relaxed"):
         head = src.index(QUAD_HEAD)
         end = src.index(QUAD_END, head)
@@ -206,7 +215,8 @@ def main() -> int:
             src = render(cand, args.base_templates)
             for variant in variants:
                 jobs.append((name, paged, variant, cand,
-                             render(cand) if variant == "tree" else patch(src, variant)))
+                             patch(render(cand), variant) if variant.startswith("tree")
+                             else patch(src, variant)))
 
     def build(job: tuple):
         name, paged, variant, cand, src = job
