@@ -85,23 +85,22 @@ def clean_build(point: dict, problem: dict) -> tuple[Candidate, CompileResult, s
     (r,) = compile_many([cand], target, workers=1)
     assert r.ok, r.error
     assert r.spill_bytes == 0 and r.stack_bytes == 0 and "serialized" not in r.log, r.log
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(r.cubin or b"")
-        f.flush()
-        sass = subprocess.run([CUOBJDUMP, "-sass", "-fun", "attn_bwd", f.name],
-                              capture_output=True, text=True, check=True).stdout
-    return cand, r, sass
+    return cand, r, sass_text(r.cubin or b"", "attn_bwd")
 
 
-def sass_opcodes(cubin: bytes, entry: str) -> list[str]:
-    """The base opcodes of one kernel of a cubin (HGMMA, LDL, ...), in program order."""
+def sass_text(cubin: bytes, entry: str) -> str:
+    """cuobjdump's SASS of one kernel of a cubin (the functions it calls included)."""
     assert CUOBJDUMP is not None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        done = subprocess.run([CUOBJDUMP, "-sass", "-fun", entry, f.name], capture_output=True,
-                              text=True, check=True)
-    return _OPCODE.findall(done.stdout)
+        return subprocess.run([CUOBJDUMP, "-sass", "-fun", entry, f.name], capture_output=True,
+                              text=True, check=True).stdout
+
+
+def sass_opcodes(cubin: bytes, entry: str) -> list[str]:
+    """The base opcodes of one kernel of a cubin (HGMMA, LDL, ...), in program order."""
+    return _OPCODE.findall(sass_text(cubin, entry))
 
 
 def test_wgmma_bwd_spread_points_compile_to_hgmma_without_spills(cache: Path) -> None:

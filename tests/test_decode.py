@@ -740,16 +740,9 @@ def test_the_programmatic_combine_launch_waits_for_the_main_kernel() -> None:
 
 
 def combine_sass(cubin: bytes) -> str:
-    import subprocess
-    import tempfile
+    from tests.test_backward import sass_text
 
-    from tests.test_backward import CUOBJDUMP
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([CUOBJDUMP, "-sass", "-fun", "attn_decode_combine", f.name],
-                              capture_output=True, text=True, check=True).stdout
+    return sass_text(cubin, "attn_decode_combine")
 
 
 def loads_in_one_run(cubin: bytes) -> int:

@@ -121,6 +121,7 @@ def traced_launch(kernel: Any, call: Any, n_sets: int, combine: bool) -> dict[st
     marks = [[int(x) for x in row[:2]] for row in bufs[1].get() if row[0]] if combine else []
     return dict(summarise(trace, marks), blocks_trace=trace)
 
+
 def summarise(trace: list[list[int]], combine: list[list[int]] | None = None) -> dict[str, Any]:
     """The main kernel's blocks (``trace``) and the combine kernel's ([waited, done] a block)."""
     t0 = min(b[0] for b in trace)
