@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 MARKS = 5
-SLOTS = 8  # per block: globaltimer at MARKS marks, smid, the fused combine's "last" flag
+SLOTS = 8  # per block: globaltimer at MARKS marks, smid, then the cluster merge's two marks
+CLUSTER_MARKS = (6, 7)  # (added 2026-11-29, eleventh session) before and after its first barrier
 MAX_BLOCKS = 8192
 
 PRELUDE = f"""
@@ -77,7 +78,16 @@ PATCHES.append((
     f"evo_trace[blockIdx.x * {SLOTS} + 1] = evo_now(); }} }} evo_done;\n"))
 
 
+# Where the block is in a cluster (CLUSTER > 1), marks 6 and 7 on either side of the cluster
+# merge's first barrier: the block's write-out to its own shared memory done, and the barrier
+# passed (both blocks' write-outs seen).
+CLUSTER_SYNC = "    cluster_sync();  // every block's O and LSE are in its shared memory\n"
+
+
 def traced_source(source: str) -> str:
+    if source.count(CLUSTER_SYNC) == 1:
+        source = source.replace(CLUSTER_SYNC, f"    evo_mark({CLUSTER_MARKS[0]});\n" + CLUSTER_SYNC
+                                + f"    evo_mark({CLUSTER_MARKS[1]});\n")
     for anchor, text in PATCHES:
         if source.count(anchor) != 1:
             raise SystemExit(f"trace: the template changed: {anchor.strip()!r} is not there once")
@@ -132,6 +142,18 @@ def summarise(trace: list[list[int]], combine: list[list[int]] | None = None) ->
     merge = [us(b[3] - b[2]) for b in trace]
     tail = sorted(us(b[4] - b[3]) for b in trace)
     end = [us(b[4] - t0) for b in trace]
+    # The cluster merge's steps (pairs of consecutive blocks: clusters run along x): the
+    # write-out to shared memory, the first barrier from the later block's arrival, and the
+    # merge from every block's shared memory to the mark after the last barrier.
+    a, b = CLUSTER_MARKS
+    cluster = {}
+    if all(x[a] and x[b] for x in trace):
+        pair = {i: trace[i ^ 1] for i in range(len(trace) - len(trace) % 2)}
+        cluster = dict(
+            write_smem_us=statistics.median(us(x[a] - x[2]) for x in trace),
+            first_barrier_us=statistics.median(
+                us(x[b] - max(x[a], pair[i][a])) for i, x in pair.items()),
+            cluster_merge_us=statistics.median(us(x[3] - x[b]) for x in trace))
     waited = [us(c[0] - t0) for c in combine or []]
     done = [us(c[1] - t0) for c in combine or []]
     return dict(
@@ -141,7 +163,7 @@ def summarise(trace: list[list[int]], combine: list[list[int]] | None = None) ->
         loop_end_us=[min(loop), statistics.median(loop), max(loop)],
         merge_write_us=statistics.median(merge),
         combine_top_us=tail[-8:], end_median_us=statistics.median(end),
-        ends_after_last_loop_us=max(end) - max(loop),
+        ends_after_last_loop_us=max(end) - max(loop), **cluster,
         **({} if not combine else dict(
             combine_blocks=len(combine),
             combine_waited_us=[min(waited), statistics.median(waited), max(waited)],
@@ -193,6 +215,9 @@ def main() -> int:
                   f"{s['loop_end_us'][1]:.1f}/{s['loop_end_us'][2]:.1f}, merge+write "
                   f"{s['merge_write_us']:.2f}, combine tail {s['combine_top_us'][-1]:.2f}, "
                   f"after last loop {s['ends_after_last_loop_us']:.2f}"
+                  + (f"; cluster merge: write {s['write_smem_us']:.2f}, first barrier "
+                     f"{s['first_barrier_us']:.2f}, merge {s['cluster_merge_us']:.2f}"
+                     if "write_smem_us" in s else "")
                   + (f"; combine: {s['combine_blocks']} blocks, waits end "
                      f"{s['combine_waited_us'][0]:.1f}/{s['combine_waited_us'][2]:.1f}, done "
                      f"{s['combine_done_us'][2]:.1f} ({s['combine_ends_after_main_us']:.2f} after "
