@@ -659,6 +659,29 @@ def test_clusters_build_on_sm90_only() -> None:
     assert "__cluster_dims__" not in render(plain)
 
 
+def test_a_cluster_pushes_its_rows_with_no_gpu_wide_fence() -> None:
+    """In a cluster each block sends its merged rows to the block that merges them by st.async
+    (SASS STAS), counted on that block's mbarrier (SYNCS), and no barrier arrival releases
+    memory: a release at cluster scope compiles to a GPU-wide MEMBAR, which the pulled merge
+    before 2026-11-29 paid once a block. Clusters of 2 and 8, rows of 16 and 32, the kernel
+    combine (the fused one's hand-over keeps its __threadfence)."""
+    from tests.test_backward import CUOBJDUMP
+
+    space = SearchSpace.load(SPACE).with_untested()
+    problem_ = {"HEAD_DIM": 128, "DTYPE": "bf16", "PAGED": True}
+    target = get_arch("sm_90a")
+    base = dict(BLOCK_N=128, VEC_BYTES=16, L2_PREFETCH=0, MERGE="slices", SPLIT_POLICY="waves",
+                SPLITS=1, COMBINE="kernel", COMBINE_ITEMS=1)
+    for cluster, rows in ((2, dict(BLOCK_M=32, NUM_WARPS=8, ROW_GROUPS=2, STAGES=3)),
+                          (8, dict(BLOCK_M=16, NUM_WARPS=4, STAGES=3))):
+        cand = make_candidate(space, space.complete(dict(base, CLUSTER=cluster, **rows)),
+                              problem_, target)
+        ops = clean_build(cand, target)
+        if CUOBJDUMP is not None:
+            assert "STAS" in ops and "SYNCS" in ops, cand.identity
+            assert "MEMBAR" not in ops, cand.identity
+
+
 def test_the_cooperative_combine_launches_cooperatively(monkeypatch: pytest.MonkeyPatch) -> None:
     """COMBINE "cooperative", driver faked: with several splits one cooperative launch (every
     block resident) given two zeroed counters a group from its stream's set; with one split an
