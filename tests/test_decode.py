@@ -781,6 +781,7 @@ def loads_in_one_run(cubin: bytes) -> int:
             best = max(best, run)
     return best
 
+
 def merges_dry_before_the_wait(cubin: bytes) -> bool:
     """Whether the programmatic combine's last call before its griddepcontrol.wait (ACQBULK)
     and its first after it go to one function: its merge run dry before the wait and for real

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+HEAD_DIM = 128  # same_bits draws d128 inputs
 sys.path.insert(0, str(ROOT))
 
 
@@ -41,7 +42,7 @@ def main() -> int:
                 for p in points:
                     p = space().complete(dict(p, MERGE="slices", COMBINE=combine,
                                               COMBINE_ITEMS=items, CLUSTER=cluster))
-                    problem = dict(HEAD_DIM=128, DTYPE=dtype, PAGED=True)
+                    problem = dict(HEAD_DIM=HEAD_DIM, DTYPE=dtype, PAGED=True)
                     if space().violations(p, problem, arch):
                         continue
                     cand = make_candidate(space(), p, problem, arch)
@@ -53,8 +54,9 @@ def main() -> int:
         d = cand.derived
         ring = d["RING_BYTES"] + d["PAGE_RING_BYTES"]
         key_warps, block_m = d["KEY_WARPS"], cand.params["BLOCK_M"]
-        merge = key_warps * block_m * (128 + 8) * 4 + 2 * key_warps * block_m * 4 + block_m * 4
-        return block_m * 128 * 2 + max(ring, merge)
+        merge = (key_warps * block_m * (HEAD_DIM + 8) * 4 + 2 * key_warps * block_m * 4
+                 + block_m * 4)
+        return block_m * HEAD_DIM * 2 + max(ring, merge)
 
     def build(job: tuple, tag: str, src: str) -> DecodeKernel:
         cand = job[0]

@@ -16,9 +16,9 @@ rendered source is patched (the template is not), one variant a patch:
 - tree: the tree's template as it is (with --base-templates DIR, the others are patches of the
   template under DIR: the tree's before these changes, for an A/B in one process);
 - tree-int: the tree's, the combine kernel's index arithmetic in 32 bits (the patch's; added
-  after the run of 2026-11-29 left the tree 3% behind the patch at 4K, not yet run);
-- tree-write: the tree's, its cluster merge one quad at a time (added in the eleventh session,
-  when the write-out and the cluster merge both took batches of quads: the write-out's alone).
+  after the run of 2026-11-29 left the tree 3% behind the patch at 4K; run once, beside the
+  eleventh session's batched write-out, later reverted: `...-decode-merge-batches.json`).
+  A `tree-write` variant, for that batched tree, went with its revert.
 
 Every variant of every point goes through the criterion on every row first; then graph replay,
 rounds interleaved; then one traced launch of each (trace.py's marks) on the first two rows.
@@ -52,7 +52,7 @@ WORKLOADS = ["decode-b1-q4-h64-kv8-d128-c32768-paged64-bf16",
              "decode-b1-q4-h64-kv8-d128-c4096-paged64-bf16",
              "decode-b1-q1-h32-kv8-d128-c131072-paged64-bf16",
              "decode-b8-q4-h64-kv8-d128-c32768-paged64-bf16"]
-VARIANTS = ("base", "once", "dry", "relaxed", "dry+relaxed", "tree", "tree-int", "tree-write")
+VARIANTS = ("base", "once", "dry", "relaxed", "dry+relaxed", "tree", "tree-int")
 
 QUAD_HEAD = "template <bool COHERENT>\n__device__ __forceinline__ void combine_quad("
 QUAD_END = "\n// The fused combine with ITEMS"
@@ -155,8 +155,6 @@ TREE_INDEX = ("  const long long gid = (long long)blockIdx.x * COMBINE_THREADS +
               "q_heads;\n")
 TREE_INDEX_INT = ("  const int gid = blockIdx.x * COMBINE_THREADS + threadIdx.x;\n"
                   "  const int row = gid / ROW_THREADS, rows = batch * q_len * q_heads;\n")
-MERGE_BATCH = ("      constexpr int MERGE_BATCH = MERGE_QUADS < 16 / CLUSTER ? MERGE_QUADS : 16 / "
-               "CLUSTER;\n")
 LAST_SYNC = ("    cluster_sync();  // no block leaves, its shared memory with it, while another "
              "reads it\n")
 RELAXED_SYNC = ('    asm volatile("barrier.cluster.arrive.relaxed.aligned;\\n\\t'
@@ -172,8 +170,6 @@ def patch(src: str, variant: str) -> str:
         return src
     if variant == "tree-int":
         return once(src, TREE_INDEX, TREE_INDEX_INT)
-    if variant == "tree-write":
-        return once(src, MERGE_BATCH, "      constexpr int MERGE_BATCH = 1;\n")
     if variant in ("once", "dry", "dry+relaxed"):
         head = src.index(QUAD_HEAD)
         end = src.index(QUAD_END, head)
