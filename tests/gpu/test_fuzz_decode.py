@@ -1,0 +1,110 @@
+"""Decode on shapes no other test names: random admitted points of the space, each on random
+calls, against the float64 reference.
+
+Each run draws afresh (the seed is in every failure, and ``EVO_FUZZ_SEED`` replays one): for
+each head dim (64, 128), dtype and layout, points drawn uniformly from the search space's
+parameters until admitted (every merge, combine, cluster size, row grouping and MMA the arch
+takes, the ``[untested]`` values too); for each point, calls of any batch (1 to 160),
+GQA group (1 to 8, odd ones too) over 1 to 8 KV heads, q_len 1 to 16, page
+size 16 to 256, causal or not, a softmax scale or the default, and lengths drawn per sequence
+(empty, shorter than q_len, a page's edge, the full capacity). ``validate.check_decode`` gives
+each call fresh inputs, NaN past every length and in the outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+
+import pytest
+import torch
+
+from evoengine import paths, validate
+from evoengine.compile import compile_many
+from evoengine.decode import DecodeKernel
+from evoengine.render import make_candidate
+from evoengine.runtime import gpu_arch
+from evoengine.space import SearchSpace
+
+SEED = int(os.environ.get("EVO_FUZZ_SEED") or random.SystemRandom().randrange(2**31))
+POINTS_EACH = 2  # points a (head dim, dtype, layout)
+CALLS_EACH = 3   # calls a point
+PAGE_SIZES = (16, 32, 64, 128, 256)
+
+
+@functools.cache
+def space() -> SearchSpace:
+    return SearchSpace.load(paths.SPACES / "decode.toml").with_untested()
+
+
+def draw_points(rng: random.Random, problem: dict, n: int) -> list[dict]:
+    """``n`` admitted points, each parameter drawn uniformly from its domain."""
+    arch, points = gpu_arch(), []
+    while len(points) < n:
+        p = {k: rng.choice(v) for k, v in space().parameters.items()}
+        if not space().violations(p, problem, arch):
+            points.append(p)
+    return points
+
+
+def draw_lengths(rng: random.Random, batch: int, capacity: int, q_len: int) -> list[int]:
+    def one() -> int:
+        kind = rng.random()
+        if kind < 0.1:
+            return 0
+        if kind < 0.2:
+            return rng.randint(1, q_len)  # a query that sees few keys, or none (causal)
+        if kind < 0.3:
+            return capacity
+        return rng.randint(1, capacity)
+    return [one() for _ in range(batch)]
+
+
+def draw_call(rng: random.Random, paged: bool) -> dict:
+    kv_heads = rng.choice((1, 2, 4, 8))
+    group = rng.randint(1, 8)
+    q_len = rng.choice((1, 1, 2, 3, 4, 4, 5, 7, 8, 11, 16))
+    batch = rng.choice((1, 2, 3, 5, 8, 13, 32, 64, 160))
+    capacity = rng.choice((1, 17, 100, 700, 2048, 5000, 9000)) if batch <= 8 else \
+        rng.choice((1, 33, 300, 1000, 2100))
+    page_size = rng.choice(PAGE_SIZES) if paged else 0
+    if paged:
+        capacity = -(-capacity // page_size) * page_size
+    return dict(lengths=draw_lengths(rng, batch, capacity, q_len), capacity=capacity,
+                q_len=q_len, heads=kv_heads * group, kv_heads=kv_heads, page_size=page_size,
+                causal=rng.random() < 0.8,
+                scale=None if rng.random() < 0.7 else rng.uniform(0.02, 0.3))
+
+
+def describe(call: dict) -> str:
+    lengths = call["lengths"]
+    shown = f"{lengths[:6]}{'...' if len(lengths) > 6 else ''} ({len(lengths)})"
+    return (f"lengths {shown} capacity {call['capacity']} q_len {call['q_len']} "
+            f"{call['heads']}/{call['kv_heads']} page {call['page_size']} causal "
+            f"{call['causal']} scale {call['scale']}")
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_random_points_on_random_calls(head_dim: int, dtype: str, paged: bool) -> None:
+    arch = gpu_arch()
+    rng = random.Random(f"{SEED}-{head_dim}-{dtype}-{paged}")
+    problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
+    points = draw_points(rng, problem, POINTS_EACH)
+    cands = [make_candidate(space(), p, problem, arch) for p in points]
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    for cand, result in zip(cands, compile_many(cands, arch), strict=True):
+        assert result.ok, f"{cand.identity} (EVO_FUZZ_SEED={SEED}): {result.error}"
+        kernel = DecodeKernel(cand, result)
+        for _ in range(CALLS_EACH):
+            call = draw_call(rng, paged)
+            verdict = validate.check_decode(
+                kernel, lengths=call["lengths"], capacity=call["capacity"],
+                q_len=call["q_len"], heads=call["heads"], kv_heads=call["kv_heads"],
+                head_dim=head_dim, dtype=torch_dtype, paged=paged,
+                page_size=call["page_size"], causal=call["causal"], scale=call["scale"],
+                seed=rng.randrange(2**62))
+            assert verdict.ok, (f"{cand.identity} on {describe(call)} "
+                                f"(EVO_FUZZ_SEED={SEED}): {verdict.reason}")
