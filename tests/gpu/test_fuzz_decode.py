@@ -54,7 +54,7 @@ def draw_lengths(rng: random.Random, batch: int, capacity: int, q_len: int) -> l
         if kind < 0.1:
             return 0
         if kind < 0.2:
-            return rng.randint(1, q_len)  # a query that sees few keys, or none (causal)
+            return rng.randint(1, min(q_len, capacity))  # queries that see few keys or none
         if kind < 0.3:
             return capacity
         return rng.randint(1, capacity)
