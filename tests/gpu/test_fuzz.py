@@ -1,7 +1,7 @@
-"""Decode on shapes no other test names: random admitted points of the space, each on random
-calls, against the float64 reference.
+"""The serving kinds on shapes no other test names: random admitted points of the spaces, each
+on random calls, against the float64 reference.
 
-Each run draws afresh (the seed is in every failure, and ``EVO_FUZZ_SEED`` replays one): for
+Decode: each run draws afresh (the seed is in every failure, and ``EVO_FUZZ_SEED`` replays one): for
 each head dim (64, 128), dtype and layout, points drawn uniformly from the search space's
 parameters until admitted (every merge, combine, cluster size, row grouping and MMA the arch
 takes, the ``[untested]`` values too); for each point, calls of any batch (1 to 160),
@@ -9,6 +9,11 @@ GQA group (1 to 8, odd ones too) over 1 to 8 KV heads, q_len 1 to 16, page
 size 16 to 256, causal or not, a softmax scale or the default, and lengths drawn per sequence
 (empty, shorter than q_len, a page's edge, the full capacity). ``validate.check_decode`` gives
 each call fresh inputs, NaN past every length and in the outputs.
+
+Varlen: points of each forward family (wgmma on sm_90a) built with VARLEN, for each head dim,
+dtype and mask, on random ragged batches (1 to 40 sequences; empty ones, queries without keys
+and keys without queries, query and key lengths apart), GQA groups 1 to 8, q, k and v as slices
+of one qkv tensor or not, a scale or the default (``validate.check_varlen``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from evoengine import paths, validate
 from evoengine.compile import compile_many
 from evoengine.decode import DecodeKernel
 from evoengine.render import make_candidate
-from evoengine.runtime import gpu_arch
+from evoengine.runtime import VarlenKernel, gpu_arch
 from evoengine.space import SearchSpace
 
 SEED = int(os.environ.get("EVO_FUZZ_SEED") or random.SystemRandom().randrange(2**31))
@@ -34,16 +39,17 @@ PAGE_SIZES = (16, 32, 64, 128, 256)
 
 
 @functools.cache
-def space() -> SearchSpace:
-    return SearchSpace.load(paths.SPACES / "decode.toml").with_untested()
+def space(family: str = "decode") -> SearchSpace:
+    return SearchSpace.load(paths.SPACES / f"{family}.toml").with_untested()
 
 
-def draw_points(rng: random.Random, problem: dict, n: int) -> list[dict]:
+def draw_points(rng: random.Random, problem: dict, n: int,
+                family: str = "decode") -> list[dict]:
     """``n`` admitted points, each parameter drawn uniformly from its domain."""
-    arch, points = gpu_arch(), []
+    arch, sp, points = gpu_arch(), space(family), []
     while len(points) < n:
-        p = {k: rng.choice(v) for k, v in space().parameters.items()}
-        if not space().violations(p, problem, arch):
+        p = {k: rng.choice(v) for k, v in sp.parameters.items()}
+        if not sp.violations(p, problem, arch):
             points.append(p)
     return points
 
@@ -108,3 +114,46 @@ def test_random_points_on_random_calls(head_dim: int, dtype: str, paged: bool) -
                 seed=rng.randrange(2**62))
             assert verdict.ok, (f"{cand.identity} on {describe(call)} "
                                 f"(EVO_FUZZ_SEED={SEED}): {verdict.reason}")
+
+
+def draw_seqlens(rng: random.Random) -> tuple[tuple[int, int], ...]:
+    def length() -> int:
+        kind = rng.random()
+        return 0 if kind < 0.12 else rng.randint(1, 16) if kind < 0.3 else rng.randint(1, 2500)
+
+    def pair() -> tuple[int, int]:
+        lq = length()
+        return (lq, lq) if rng.random() < 0.6 else (lq, length())
+    return tuple(pair() for _ in range(rng.choice((1, 2, 3, 7, 16, 40))))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("family", ["mma", "wgmma"])
+def test_random_varlen_points_on_random_batches(family: str, head_dim: int, dtype: str,
+                                                causal: bool) -> None:
+    arch = gpu_arch()
+    if family == "wgmma" and arch.name != "sm_90a":
+        pytest.skip("wgmma needs sm_90a")
+    rng = random.Random(f"{SEED}-{family}-{head_dim}-{dtype}-{causal}")
+    problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, CAUSAL=causal, VARLEN=True)
+    points = draw_points(rng, problem, POINTS_EACH, family)
+    cands = [make_candidate(space(family), p, problem, arch) for p in points]
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    for cand, result in zip(cands, compile_many(cands, arch), strict=True):
+        assert result.ok, f"{cand.identity} (EVO_FUZZ_SEED={SEED}): {result.error}"
+        kernel = VarlenKernel(cand, result)
+        for _ in range(CALLS_EACH):
+            seqlens = draw_seqlens(rng)
+            kv_heads, group = rng.choice((1, 2, 4, 8)), rng.randint(1, 8)
+            strided = rng.random() < 0.5
+            scale = None if rng.random() < 0.7 else rng.uniform(0.02, 0.3)
+            verdict = validate.check_varlen(
+                kernel, seqlens=seqlens, heads=kv_heads * group, kv_heads=kv_heads,
+                head_dim=head_dim, causal=causal, dtype=torch_dtype, scale=scale,
+                strided=strided, seed=rng.randrange(2**62))
+            shown = f"{list(seqlens[:5])}{'...' if len(seqlens) > 5 else ''} ({len(seqlens)})"
+            assert verdict.ok, (f"{cand.identity} on {shown} {kv_heads * group}/{kv_heads} "
+                                f"strided {strided} scale {scale} (EVO_FUZZ_SEED={SEED}): "
+                                f"{verdict.reason}")
