@@ -214,6 +214,11 @@ class CudaVarlenKernel(CudaKernel):
                 launch_in_context(loaded, (loaded.fn, grid_x, heads, batch, self.threads, 1, 1,
                                             self.smem_bytes, stream, self._argv_ptr, 0))
             return
+        if k.shape[0] == 0:  # no key anywhere, and a tensor map cannot span zero rows
+            out.zero_()  # every row sees no key: zero, log-sum-exp -inf (as the kernels write)
+            if lse is not None:
+                lse.fill_(float("-inf"))
+            return
         # [total, H, D] seen as [1, H, total, D]: the maps' row coordinate is the packed row.
         q_map, pack = self._q_map(q.unsqueeze(0).transpose(1, 2), group)
         grid, tiles = tma_grid(self.block_m, max_seqlen_q, heads, batch, self.tma.persistent,

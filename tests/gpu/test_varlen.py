@@ -80,6 +80,22 @@ def test_ragged_batches_pass_the_criterion(family: str, causal: bool) -> None:
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("family", ["mma", "wgmma"])
+def test_a_batch_with_no_key_at_all(family: str, causal: bool) -> None:
+    """Queries and no key in the whole batch (k and v of zero rows, where a TMA map cannot
+    be made): zeros and log-sum-exp -inf, not an error; and a batch of empty sequences."""
+    if family not in families():
+        pytest.skip(f"{family} needs sm_90a")
+    for kernel in kernels(varlen_candidates(family, points(family), causal)):
+        for seqlens, strided in ((((5, 0), (0, 0), (17, 0)), False), (((9, 0),), True),
+                                 (((0, 0), (0, 0)), False)):
+            v = validate.check_varlen(kernel, seqlens=seqlens, heads=4, kv_heads=2,
+                                      head_dim=128, causal=causal, dtype=torch.float16,
+                                      strided=strided)
+            assert v.ok, f"{kernel.name} {seqlens} strided={strided}: {v.reason}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_packed_gqa_ragged_batches(causal: bool) -> None:
     """PACK_GQA on ragged batches: groups of 4, 32 and 3."""
     if "wgmma" not in families():
