@@ -1,5 +1,5 @@
-"""The serving kinds on shapes no other test names: random admitted points of the spaces, each
-on random calls, against the float64 reference.
+"""Every kind on shapes no other test names: random admitted points of the spaces, each on
+random calls, against the float64 reference.
 
 Decode: each run draws afresh (the seed is in every failure, and ``EVO_FUZZ_SEED`` replays one): for
 each head dim (64, 128), dtype and layout, points drawn uniformly from the search space's
@@ -14,6 +14,11 @@ Varlen: points of each forward family (wgmma on sm_90a) built with VARLEN, for e
 dtype and mask, on random ragged batches (1 to 40 sequences; empty ones, queries without keys
 and keys without queries, query and key lengths apart), GQA groups 1 to 8, q, k and v as slices
 of one qkv tensor or not, a scale or the default (``validate.check_varlen``).
+
+Forward and backward: points of each family the GPU takes, for each head dim, dtype and mask,
+on random shapes (batch 1 to 5, GQA groups 1 to 6 over 1 to 8 KV heads, query and key lengths
+1 to 2500 and apart, [B, H, S, D] or strided [B, S, H, D] views, a scale or the default;
+``validate.check`` and ``validate.check_backward``).
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ import pytest
 import torch
 
 from evoengine import paths, validate
+from evoengine.backward import BackwardKernel
 from evoengine.compile import compile_many
 from evoengine.decode import DecodeKernel
 from evoengine.render import make_candidate
-from evoengine.runtime import VarlenKernel, gpu_arch
+from evoengine.runtime import Kernel, VarlenKernel, gpu_arch
 from evoengine.space import SearchSpace
 
 SEED = int(os.environ.get("EVO_FUZZ_SEED") or random.SystemRandom().randrange(2**31))
@@ -157,3 +163,62 @@ def test_random_varlen_points_on_random_batches(family: str, head_dim: int, dtyp
             assert verdict.ok, (f"{cand.identity} on {shown} {kv_heads * group}/{kv_heads} "
                                 f"strided {strided} scale {scale} (EVO_FUZZ_SEED={SEED}): "
                                 f"{verdict.reason}")
+
+
+def draw_length(rng: random.Random) -> int:
+    kind = rng.random()
+    return rng.randint(1, 16) if kind < 0.25 else rng.randint(1, 2500)
+
+
+def draw_dense_shape(rng: random.Random) -> dict:
+    """A shape whose float64 reference stays under 2^25 scores."""
+    kv_heads, group = rng.choice((1, 2, 4, 8)), rng.randint(1, 6)
+    seq_q = draw_length(rng)
+    seq_k = seq_q if rng.random() < 0.5 else draw_length(rng)
+    batch = rng.choice((1, 2, 3, 5))
+    while batch > 1 and batch * kv_heads * group * seq_q * seq_k > 1 << 25:
+        batch -= 1
+    while kv_heads > 1 and batch * kv_heads * group * seq_q * seq_k > 1 << 25:
+        kv_heads //= 2
+    return dict(batch=batch, heads=kv_heads * group, kv_heads=kv_heads, seq_q=seq_q,
+                seq_k=seq_k, layout=rng.choice(("bhsd", "bshd")),
+                scale=None if rng.random() < 0.7 else rng.uniform(0.02, 0.3))
+
+
+def check_dense(family: str, head_dim: int, dtype: str, causal: bool, backward: bool) -> None:
+    arch = gpu_arch()
+    if not space(family).supports(arch):
+        pytest.skip(f"{family} does not target {arch.name}")
+    rng = random.Random(f"{SEED}-{family}-{head_dim}-{dtype}-{causal}")
+    problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, CAUSAL=causal)
+    points = draw_points(rng, problem, POINTS_EACH, family)
+    cands = [make_candidate(space(family), p, problem, arch) for p in points]
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    check = validate.check_backward if backward else validate.check
+    for cand, result in zip(cands, compile_many(cands, arch), strict=True):
+        assert result.ok, f"{cand.identity} (EVO_FUZZ_SEED={SEED}): {result.error}"
+        kernel = BackwardKernel(cand, result) if backward else Kernel(cand, result)
+        for _ in range(CALLS_EACH):
+            shape = draw_dense_shape(rng)
+            verdict = check(kernel, head_dim=head_dim, causal=causal, dtype=torch_dtype,
+                            seed=rng.randrange(2**62), **shape)
+            assert verdict.ok, (f"{cand.identity} on {shape} (EVO_FUZZ_SEED={SEED}): "
+                                f"{verdict.reason}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("family", ["mma", "wmma", "wgmma"])
+def test_random_forward_points_on_random_shapes(family: str, head_dim: int, dtype: str,
+                                                causal: bool) -> None:
+    check_dense(family, head_dim, dtype, causal, backward=False)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("family", ["mma_bwd", "wgmma_bwd"])
+def test_random_backward_points_on_random_shapes(family: str, head_dim: int, dtype: str,
+                                                 causal: bool) -> None:
+    check_dense(family, head_dim, dtype, causal, backward=True)
