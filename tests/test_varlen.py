@@ -3,6 +3,7 @@ the rendered and offline-compiled VARLEN kernels, the launcher's input checks, t
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -195,3 +196,46 @@ def test_padded_sdpa_needs_a_mask_only_where_is_causal_is_not_exact() -> None:
                                                   causal=True))
     assert not padded_without_mask(VarlenWorkload(((3, 3), (4, 4)), heads=1, head_dim=16))
     assert padded_without_mask(VarlenWorkload(((3, 4), (2, 4)), heads=1, head_dim=16))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_varlen_forward_gets_sdpas_gradients(causal: bool) -> None:
+    """``with_sdpa_gradients``: the forward is ``run()``'s, the gradients those of SDPA per
+    sequence (empty sequences, queries without keys, GQA, lengths apart), zeros where an
+    input reaches no output, and none for an input that wants none."""
+    from evoengine.launch.varlen import varlen_sdpa, with_sdpa_gradients
+
+    torch.manual_seed(0)
+    lengths = [(5, 5), (0, 4), (3, 0), (7, 3), (2, 9), (0, 0)]
+    cu_q = torch.tensor([0, *itertools.accumulate(lq for lq, _ in lengths)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lk for _, lk in lengths)], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), 4, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(int(cu_k[-1]), 2, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(int(cu_k[-1]), 2, 16, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(q.shape, dtype=torch.float64)
+
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            return varlen_sdpa(q, k, v, cu_q, cu_k, causal=causal, scale=0.3)
+
+    out = with_sdpa_gradients(run, q, k, v, cu_q, cu_k, causal=causal, scale=0.3)
+    assert out.grad_fn is not None
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    expect = torch.autograd.grad(varlen_sdpa(q, k, v, cu_q, cu_k, causal=causal, scale=0.3),
+                                 (q, k, v), dout)
+    for got, want in zip(grads, expect, strict=True):
+        torch.testing.assert_close(got, want)
+    assert torch.equal(grads[0][5:8], torch.zeros_like(grads[0][5:8]))  # (3, 0): no key
+
+    # No query anywhere: k and v reach no output, their gradients are zeros.
+    k2 = torch.randn(5, 2, 16, dtype=torch.float64, requires_grad=True)
+    none = torch.tensor([0, 0, 0], dtype=torch.int32)
+    out = with_sdpa_gradients(lambda: torch.zeros(0, 4, 16, dtype=torch.float64), q[:0], k2,
+                              k2, none, torch.tensor([0, 3, 5], dtype=torch.int32),
+                              causal=causal, scale=None)
+    (g,) = torch.autograd.grad(out.sum(), (k2,))
+    assert torch.equal(g, torch.zeros_like(k2))
+    # Only q wants a gradient.
+    q2, kv = q.detach().requires_grad_(), k.detach()
+    with_sdpa_gradients(run, q2, kv, kv, cu_q, cu_k, causal=causal, scale=0.3).backward(dout)
+    assert q2.grad is not None and kv.grad is None

@@ -36,6 +36,7 @@ from evoengine.launch.varlen import (
     check_varlen_inputs,
     check_varlen_out,
     varlen_sdpa,
+    with_sdpa_gradients,
 )
 
 # How many TorchDispatchModes are active (FakeTensorMode, FlopCounterMode, ...): calls under
@@ -300,7 +301,9 @@ class TunedAttention:
         head_dim, causal); ``fallback='sdpa'`` runs SDPA per sequence where none fits. Inputs
         are checked before any launch, one-line ``ValueError``s; ``check`` includes what
         cu_seqlens hold, read back to the host (one sync per call): ``check=False`` skips it.
-        Eager only (no autograd, no torch.compile).
+        Eager only (no torch.compile). Where q, k or v require grad the result is
+        differentiable: the forward is the kernel's, the backward recomputes each sequence
+        through SDPA (no varlen backward kernel yet).
         """
         check_fallback(fallback)
         p = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -325,12 +328,21 @@ class TunedAttention:
         if fallback is not None:  # not checked above: SDPA might have served
             for name, t in (("q", q), ("k", k), ("v", v)):
                 check_aligned(name, t)
-        if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        check_varlen_out(out, lse, q, p)
-        kernel.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, out,
-                      lse, scale)
-        return out
+        into = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        check_varlen_out(into, lse, q, p)
+
+        def run() -> Tensor:
+            kernel.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
+                          into, lse, scale)
+            return into
+
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            if out is not None:  # the function's output is its own; out gets a copy
+                into = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            result = with_sdpa_gradients(run, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                         causal=causal, scale=scale)
+            return result if out is None else out.copy_(result)
+        return run()
 
     def register_transformers(self, name: str = "evoengine", *,
                               fallback: str | None = None) -> str:

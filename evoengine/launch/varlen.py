@@ -276,3 +276,39 @@ def varlen_sdpa(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
         out[cq[b]:cq[b + 1]] = sdpa_attention(qb, kb, vb, causal=causal,
                                               scale=scale)[0].transpose(0, 1)
     return out
+
+
+class _SdpaGradients(torch.autograd.Function):
+    """A varlen forward whose gradients are SDPA's: ``run()`` gives the output (a varlen
+    kernel's launch), and the backward recomputes each sequence through ``varlen_sdpa`` and
+    differentiates that (no varlen backward kernel exists yet)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor,
+                causal: bool, scale: float | None, run: Any) -> Tensor:
+        ctx.save_for_backward(q, k, v, cu_q, cu_k)
+        ctx.causal, ctx.scale = causal, scale
+        return run()
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, cu_q, cu_k = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = varlen_sdpa(*leaves, cu_q, cu_k, causal=ctx.causal, scale=ctx.scale)
+            grads: tuple[Tensor | None, ...] = (None, None, None)
+            if out.requires_grad:  # else no sequence has both a query and a key
+                grads = torch.autograd.grad(out, leaves, dout, allow_unused=True)
+        grads = tuple(None if not wanted else torch.zeros_like(t) if g is None else g
+                      for t, g, wanted in zip(leaves, grads, ctx.needs_input_grad[:3],
+                                              strict=True))
+        return (*grads, None, None, None, None, None)
+
+
+def with_sdpa_gradients(run: Any, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                        cu_seqlens_k: Tensor, *, causal: bool, scale: float | None) -> Tensor:
+    """``run()`` (a varlen kernel's output for q, k, v) made differentiable in q, k and v
+    with SDPA's gradients, each sequence recomputed in the backward: where a ragged call
+    wants gradients (a Transformers model trained on padded batches), the forward is the
+    kernel's and the gradients are right, not absent."""
+    return _SdpaGradients.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, run)
