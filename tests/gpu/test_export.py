@@ -451,18 +451,51 @@ def llama(attn_implementation: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
 
 
+def llamas(attn_implementation: str, train: bool = False) -> dict[str, torch.nn.Module]:
+    """One tiny Llama's weights three ways: float32 SDPA ("exact", the yardstick), fp16 SDPA
+    ("sdpa") and fp16 ``attn_implementation`` ("ours")."""
+    torch.manual_seed(0)
+    exact = llama("sdpa").train(train).to("cuda")
+    sdpa = llama("sdpa").train(train).to("cuda", torch.float16)
+    ours = llama(attn_implementation).train(train).to("cuda", torch.float16)
+    sdpa.load_state_dict(exact.state_dict())
+    ours.load_state_dict(exact.state_dict())
+    return {"exact": exact, "sdpa": sdpa, "ours": ours}
+
+
+def assert_training_step_matches(models: dict[str, torch.nn.Module], ids: torch.Tensor,
+                                 **kwargs: torch.Tensor) -> None:
+    """One step of each model on ``ids`` (labels: ``ids`` unless given): ours' loss and every
+    parameter's gradient as close to the float32 model's as fp16 SDPA's, within the
+    criterion's factor; no parameter of ours left without a gradient."""
+    kwargs.setdefault("labels", ids)
+    losses = {}
+    for name, model in models.items():
+        out = model(ids, **kwargs)
+        out.loss.backward()
+        losses[name] = out.loss.item()
+    factor = validate.ERR_FACTOR
+    assert abs(losses["ours"] - losses["exact"]) <= (
+        factor * abs(losses["sdpa"] - losses["exact"]) + 1e-3), losses
+    for (name, p_exact), p_sdpa, p_ours in zip(models["exact"].named_parameters(),
+                                               models["sdpa"].parameters(),
+                                               models["ours"].parameters(), strict=True):
+        assert p_ours.grad is not None, f"{name} got no gradient"
+        ref = p_exact.grad
+        sdpa_err = (p_sdpa.grad.float() - ref).abs().max().item()
+        ours_err = (p_ours.grad.float() - ref).abs().max().item()
+        floor = validate.ulp_at(torch.float16, ref.abs().max().item()) + validate.GRAD_FLOOR
+        assert ours_err <= factor * sdpa_err + floor, (name, ours_err, sdpa_err)
+
+
 @torch.no_grad()
 def test_transformers_llama_matches_sdpa(exported: Exported,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("transformers")
     module = exported.module
     assert module.register_transformers() == "evoengine"
-    torch.manual_seed(0)
-    exact = llama("sdpa").eval().to("cuda")  # float32: the yardstick for both fp16 models
-    sdpa = llama("sdpa").eval().to("cuda", torch.float16)
-    ours = llama("evoengine").eval().to("cuda", torch.float16)
-    sdpa.load_state_dict(exact.state_dict())
-    ours.load_state_dict(exact.state_dict())
+    models = llamas("evoengine")
+    exact, sdpa, ours = models["exact"], models["sdpa"], models["ours"]
     launches = []
     launch = module.CudaKernel.launch
     monkeypatch.setattr(module.CudaKernel, "launch",
@@ -502,27 +535,7 @@ def test_transformers_llama_training_step_matches_sdpa(exported: Exported,
     pytest.importorskip("transformers")
     module = exported.module
     assert module.register_transformers() == "evoengine"
-    torch.manual_seed(0)
-    exact = llama("sdpa").train().to("cuda")
-    sdpa = llama("sdpa").train().to("cuda", torch.float16)
-    ours = llama("evoengine").train().to("cuda", torch.float16)
-    sdpa.load_state_dict(exact.state_dict())
-    ours.load_state_dict(exact.state_dict())
+    models = llamas("evoengine", train=True)
     launches = backward_launches(module, monkeypatch)
-    ids = torch.randint(0, 1000, (2, 200), device="cuda")
-    losses = {}
-    for name, model in (("exact", exact), ("sdpa", sdpa), ("ours", ours)):
-        out = model(ids, labels=ids)
-        out.loss.backward()
-        losses[name] = out.loss.item()
+    assert_training_step_matches(models, torch.randint(0, 1000, (2, 200), device="cuda"))
     assert len(launches) == 2  # two layers' backward, through the tuned kernel
-    factor = validate.ERR_FACTOR
-    assert abs(losses["ours"] - losses["exact"]) <= (
-        factor * abs(losses["sdpa"] - losses["exact"]) + 1e-3), losses
-    for (name, p_exact), p_sdpa, p_ours in zip(exact.named_parameters(), sdpa.parameters(),
-                                               ours.parameters(), strict=True):
-        ref = p_exact.grad
-        sdpa_err = (p_sdpa.grad.float() - ref).abs().max().item()
-        ours_err = (p_ours.grad.float() - ref).abs().max().item()
-        floor = validate.ulp_at(torch.float16, ref.abs().max().item()) + validate.GRAD_FLOOR
-        assert ours_err <= factor * sdpa_err + floor, (name, ours_err, sdpa_err)

@@ -325,15 +325,10 @@ def test_exported_attention_varlen_without_a_kernel(exported) -> None:  # type: 
 def test_transformers_padding_runs_through_the_varlen_kernels(
         exported, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("transformers")
-    from tests.gpu.test_export import llama
+    from tests.gpu.test_export import llamas
 
     assert exported.register_transformers(name="evoengine_varlen") == "evoengine_varlen"
-    torch.manual_seed(0)
-    exact = llama("sdpa").eval().to("cuda")  # float32: the yardstick for both fp16 models
-    sdpa = llama("sdpa").eval().to("cuda", torch.float16)
-    ours = llama("evoengine_varlen").eval().to("cuda", torch.float16)
-    sdpa.load_state_dict(exact.state_dict())
-    ours.load_state_dict(exact.state_dict())
+    models = llamas("evoengine_varlen")
     launches = []
     launch = exported.CudaVarlenKernel.launch
     monkeypatch.setattr(exported.CudaVarlenKernel, "launch",
@@ -343,8 +338,7 @@ def test_transformers_padding_runs_through_the_varlen_kernels(
     mask[0, :37] = 0  # left padding
     mask[1, 201:] = 0  # right padding
     real = mask.bool()
-    logits = {name: m(ids, attention_mask=mask).logits[real]
-              for name, m in (("exact", exact), ("sdpa", sdpa), ("ours", ours))}
+    logits = {name: m(ids, attention_mask=mask).logits[real] for name, m in models.items()}
     assert launches == [[0, 263, 464, 764]] * 2  # two layers, the real rows of each sequence
     ours_err = (logits["ours"].float() - logits["exact"]).abs().max().item()
     sdpa_err = (logits["sdpa"].float() - logits["exact"]).abs().max().item()
@@ -357,39 +351,19 @@ def test_transformers_padded_training_step_has_every_gradient(
     gradient as close to the float32 model's as SDPA's in fp16 is (the q, k, v projections'
     too: with an output that autograd cannot see through they would get none)."""
     pytest.importorskip("transformers")
-    from tests.gpu.test_export import llama
+    from tests.gpu.test_export import assert_training_step_matches, llamas
 
-    assert exported.register_transformers(name="evoengine_varlen_train") == \
-        "evoengine_varlen_train"
-    torch.manual_seed(0)
-    exact = llama("sdpa").train().to("cuda")
-    sdpa = llama("sdpa").train().to("cuda", torch.float16)
-    ours = llama("evoengine_varlen_train").train().to("cuda", torch.float16)
-    sdpa.load_state_dict(exact.state_dict())
-    ours.load_state_dict(exact.state_dict())
+    name = "evoengine_varlen_train"
+    assert exported.register_transformers(name=name) == name
+    models = llamas(name, train=True)
     launches = []
     launch = exported.CudaVarlenKernel.launch
     monkeypatch.setattr(exported.CudaVarlenKernel, "launch",
                         lambda self, *a: (launches.append(1), launch(self, *a))[1])
     ids = torch.randint(0, 1000, (3, 300), device="cuda")
     mask = torch.ones_like(ids)
-    mask[0, :37] = 0
-    mask[1, 201:] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    losses = {}
-    for name, model in (("exact", exact), ("sdpa", sdpa), ("ours", ours)):
-        out = model(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        losses[name] = out.loss.item()
+    mask[0, :37] = 0  # left padding
+    mask[1, 201:] = 0  # right padding
+    assert_training_step_matches(models, ids, attention_mask=mask,
+                                 labels=ids.masked_fill(mask == 0, -100))
     assert len(launches) == 2  # two layers' forwards through the varlen kernel
-    factor = validate.ERR_FACTOR
-    assert abs(losses["ours"] - losses["exact"]) <= (
-        factor * abs(losses["sdpa"] - losses["exact"]) + 1e-3), losses
-    for (name, p_exact), p_sdpa, p_ours in zip(exact.named_parameters(), sdpa.parameters(),
-                                               ours.parameters(), strict=True):
-        assert p_ours.grad is not None, name
-        ref = p_exact.grad
-        sdpa_err = (p_sdpa.grad.float() - ref).abs().max().item()
-        ours_err = (p_ours.grad.float() - ref).abs().max().item()
-        floor = validate.ulp_at(torch.float16, ref.abs().max().item()) + validate.GRAD_FLOOR
-        assert ours_err <= factor * sdpa_err + floor, (name, ours_err, sdpa_err)
