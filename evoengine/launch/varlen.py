@@ -1,5 +1,6 @@
 """Ragged batches: ``CudaVarlenKernel``, a forward kernel compiled with VARLEN, launched on
-packed q, k, v with cu_seqlens, and the checks of such a call.
+packed q, k, v with cu_seqlens, the checks of such a call, SDPA per sequence (the fallback),
+and SDPA's gradients for a kernel's output (``with_sdpa_gradients``).
 
 Varlen ABI (mma): the forward's arguments, then ``cu_seqlens_q, cu_seqlens_k`` (int32*) and
 ``total_q`` (int32, the log-sum-exp's row stride), on a grid of (ceil(max_seqlen_q / block_m),
