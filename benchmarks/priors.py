@@ -32,7 +32,8 @@ from evoengine.workload import Workload  # noqa: E402
 
 KEEP = 2
 RESULTS = paths.ROOT / "benchmarks" / "results"
-# (arch, reader, results file): the H100 re-times that hold each kind's best known points.
+# (arch, reader, results file): the re-times that hold each kind's best known points, on the
+# H100 and (decode, since the fourth session of 2026-11-28, the same sm_90a) the H200.
 SOURCES = [
     ("sm_90a", "retimed", "2026-11-27-h100-wgmma-o-tma.json"),
     ("sm_90a", "retimed", "2026-11-27-h100-wgmma-o-store.json"),
@@ -57,6 +58,16 @@ SOURCES = [
     ("sm_90a", "points_us", "2026-11-27-h100-decode-q4-b64-bf16.json"),
     ("sm_90a", "points_us", "2026-11-27-h100-decode-cluster-waves-q4-bf16.json"),
     ("sm_90a", "points_us", "2026-11-27-h100-decode-cluster-waves-q1-bf16.json"),
+    ("sm_90a", "points_us", "2026-11-28-h200-decode-programmatic-spread.json"),
+    ("sm_90a", "points_us", "2026-11-28-h200-decode-off-grid.json"),
+    ("sm_90a", "points_us", "2026-11-28-h200-decode-row-groups.json"),
+    ("sm_90a", "points_us", "2026-11-28-h200-decode-wgmma.json"),
+    ("sm_90a", "points_us", "2026-11-28-h200-decode-search-q1-d64-bench.json"),
+    ("sm_90a", "points_us", "2026-11-28-h200-decode-search-q16-h64-b8-bf16-bench.json"),
+    ("sm_90a", "points_us", "2026-11-28-h200-decode-search-q4-h64-b1-bf16-pdl-bench.json"),
+    ("sm_90a", "points_us", "2026-11-29-h200-decode-cluster-push.json"),
+    ("sm_90a", "points_us", "2026-11-29-h200-decode-cluster-2-4-8.json"),
+    ("sm_90a", "points_us", "2026-11-29-h200-decode-cluster-8-paged.json"),
     ("sm_90a", "cell_ids", "2026-11-25-h100-cell-kernels.json"),
 ]
 
