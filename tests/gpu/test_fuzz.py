@@ -1,14 +1,14 @@
 """Every kind on shapes no other test names: random admitted points of the spaces, each on
-random calls, against the float64 reference.
+random calls, against the float64 reference. Each run draws afresh; the seed is in every
+failure, and ``EVO_FUZZ_SEED`` replays it. Points are drawn uniformly from a space's parameters
+until admitted, its ``[untested]`` values too.
 
-Decode: each run draws afresh (the seed is in every failure, and ``EVO_FUZZ_SEED`` replays one): for
-each head dim (64, 128), dtype and layout, points drawn uniformly from the search space's
-parameters until admitted (every merge, combine, cluster size, row grouping and MMA the arch
-takes, the ``[untested]`` values too); for each point, calls of any batch (1 to 160),
-GQA group (1 to 8, odd ones too) over 1 to 8 KV heads, q_len 1 to 16, page
-size 16 to 256, causal or not, a softmax scale or the default, and lengths drawn per sequence
-(empty, shorter than q_len, a page's edge, the full capacity). ``validate.check_decode`` gives
-each call fresh inputs, NaN past every length and in the outputs.
+Decode: for each head dim (64, 128), dtype and layout, points of the decode space (every merge,
+combine, cluster size, row grouping and MMA the arch takes), each on calls of any batch (1 to
+160), GQA group 1 to 8 over 1 to 8 KV heads, q_len 1 to 16, page size 16 to 256, causal or not,
+a softmax scale or the default, and lengths drawn per sequence (empty, shorter than q_len, the
+full capacity, anywhere); ``validate.check_decode`` gives each call fresh inputs, NaN past every
+length and in the outputs.
 
 Varlen: points of each forward family (wgmma on sm_90a) built with VARLEN, for each head dim,
 dtype and mask, on random ragged batches (1 to 40 sequences; empty ones, queries without keys
