@@ -44,6 +44,11 @@ from evoengine.launch.varlen import (
 _dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_mode", lambda: 0)
 
 
+def wants_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether autograd will want the gradients of a call on q, k, v."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 class TunedAttention:
     """``attention(q, k, v, causal=False, scale=None)`` over a table of tuned kernels.
 
@@ -273,8 +278,7 @@ class TunedAttention:
         if not compiling and not (isinstance(q, Tensor) and isinstance(k, Tensor)
                                   and isinstance(v, Tensor)):
             return self.forward(q, k, v)  # raises the TypeError naming what was expected
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                            or v.requires_grad)
+        grad = wants_grad(q, k, v)
         # The custom op costs tens of microseconds per eager call in the dispatcher, so plain
         # tensors outside compile, dispatch modes and autograd skip it and run the same code.
         if (not compiling and not grad and type(q) is Tensor and type(k) is Tensor
@@ -331,18 +335,18 @@ class TunedAttention:
         into = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
         check_varlen_out(into, lse, q, p)
 
-        def run() -> Tensor:
+        def run(dst: Tensor) -> Tensor:
             kernel.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
-                          into, lse, scale)
-            return into
+                          dst, lse, scale)
+            return dst
 
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            if out is not None:  # the function's output is its own; out gets a copy
-                into = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            result = with_sdpa_gradients(run, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                         causal=causal, scale=scale)
-            return result if out is None else out.copy_(result)
-        return run()
+        if not wants_grad(q, k, v):
+            return run(into)
+        # The autograd function's output is its own; out, where given, gets a copy.
+        own = into if out is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        result = with_sdpa_gradients(lambda: run(own), q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                     causal=causal, scale=scale)
+        return result if out is None else out.copy_(result)
 
     def register_transformers(self, name: str = "evoengine", *,
                               fallback: str | None = None) -> str:

@@ -26,15 +26,17 @@ from __future__ import annotations
 import functools
 import os
 import random
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
-import torch
 
 from evoengine import paths, validate
 from evoengine.backward import BackwardKernel
-from evoengine.compile import compile_many
+from evoengine.compile import CompileResult, compile_many
 from evoengine.decode import DecodeKernel
-from evoengine.render import make_candidate
+from evoengine.launch import KERNEL_DTYPES
+from evoengine.render import Candidate, make_candidate
 from evoengine.runtime import Kernel, VarlenKernel, gpu_arch
 from evoengine.space import SearchSpace
 
@@ -45,19 +47,26 @@ PAGE_SIZES = (16, 32, 64, 128, 256)
 
 
 @functools.cache
-def space(family: str = "decode") -> SearchSpace:
+def space(family: str) -> SearchSpace:
     return SearchSpace.load(paths.SPACES / f"{family}.toml").with_untested()
 
 
-def draw_points(rng: random.Random, problem: dict, n: int,
-                family: str = "decode") -> list[dict]:
-    """``n`` admitted points, each parameter drawn uniformly from its domain."""
+def drawn_kernels(rng: random.Random, family: str, problem: dict,
+                  build: Callable[[Candidate, CompileResult], Any]) -> Iterator[Any]:
+    """``POINTS_EACH`` admitted points of ``family`` for ``problem``, each parameter drawn
+    uniformly from its domain, compiled together and built by ``build``; skips where the
+    family does not target this GPU."""
     arch, sp, points = gpu_arch(), space(family), []
-    while len(points) < n:
+    if not sp.supports(arch):
+        pytest.skip(f"{family} does not target {arch.name}")
+    while len(points) < POINTS_EACH:
         p = {k: rng.choice(v) for k, v in sp.parameters.items()}
         if not sp.violations(p, problem, arch):
             points.append(p)
-    return points
+    cands = [make_candidate(sp, p, problem, arch) for p in points]
+    for cand, result in zip(cands, compile_many(cands, arch), strict=True):
+        assert result.ok, f"{cand.identity} (EVO_FUZZ_SEED={SEED}): {result.error}"
+        yield build(cand, result)
 
 
 def draw_lengths(rng: random.Random, batch: int, capacity: int, q_len: int) -> list[int]:
@@ -101,24 +110,18 @@ def describe(call: dict) -> str:
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_random_points_on_random_calls(head_dim: int, dtype: str, paged: bool) -> None:
-    arch = gpu_arch()
     rng = random.Random(f"{SEED}-{head_dim}-{dtype}-{paged}")
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, PAGED=paged)
-    points = draw_points(rng, problem, POINTS_EACH)
-    cands = [make_candidate(space(), p, problem, arch) for p in points]
-    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    for cand, result in zip(cands, compile_many(cands, arch), strict=True):
-        assert result.ok, f"{cand.identity} (EVO_FUZZ_SEED={SEED}): {result.error}"
-        kernel = DecodeKernel(cand, result)
+    for kernel in drawn_kernels(rng, "decode", problem, DecodeKernel):
         for _ in range(CALLS_EACH):
             call = draw_call(rng, paged)
             verdict = validate.check_decode(
                 kernel, lengths=call["lengths"], capacity=call["capacity"],
                 q_len=call["q_len"], heads=call["heads"], kv_heads=call["kv_heads"],
-                head_dim=head_dim, dtype=torch_dtype, paged=paged,
+                head_dim=head_dim, dtype=KERNEL_DTYPES[dtype], paged=paged,
                 page_size=call["page_size"], causal=call["causal"], scale=call["scale"],
                 seed=rng.randrange(2**62))
-            assert verdict.ok, (f"{cand.identity} on {describe(call)} "
+            assert verdict.ok, (f"{kernel.name} on {describe(call)} "
                                 f"(EVO_FUZZ_SEED={SEED}): {verdict.reason}")
 
 
@@ -139,17 +142,9 @@ def draw_seqlens(rng: random.Random) -> tuple[tuple[int, int], ...]:
 @pytest.mark.parametrize("family", ["mma", "wgmma"])
 def test_random_varlen_points_on_random_batches(family: str, head_dim: int, dtype: str,
                                                 causal: bool) -> None:
-    arch = gpu_arch()
-    if family == "wgmma" and arch.name != "sm_90a":
-        pytest.skip("wgmma needs sm_90a")
     rng = random.Random(f"{SEED}-{family}-{head_dim}-{dtype}-{causal}")
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, CAUSAL=causal, VARLEN=True)
-    points = draw_points(rng, problem, POINTS_EACH, family)
-    cands = [make_candidate(space(family), p, problem, arch) for p in points]
-    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    for cand, result in zip(cands, compile_many(cands, arch), strict=True):
-        assert result.ok, f"{cand.identity} (EVO_FUZZ_SEED={SEED}): {result.error}"
-        kernel = VarlenKernel(cand, result)
+    for kernel in drawn_kernels(rng, family, problem, VarlenKernel):
         for _ in range(CALLS_EACH):
             seqlens = draw_seqlens(rng)
             kv_heads, group = rng.choice((1, 2, 4, 8)), rng.randint(1, 8)
@@ -157,10 +152,10 @@ def test_random_varlen_points_on_random_batches(family: str, head_dim: int, dtyp
             scale = None if rng.random() < 0.7 else rng.uniform(0.02, 0.3)
             verdict = validate.check_varlen(
                 kernel, seqlens=seqlens, heads=kv_heads * group, kv_heads=kv_heads,
-                head_dim=head_dim, causal=causal, dtype=torch_dtype, scale=scale,
+                head_dim=head_dim, causal=causal, dtype=KERNEL_DTYPES[dtype], scale=scale,
                 strided=strided, seed=rng.randrange(2**62))
             shown = f"{list(seqlens[:5])}{'...' if len(seqlens) > 5 else ''} ({len(seqlens)})"
-            assert verdict.ok, (f"{cand.identity} on {shown} {kv_heads * group}/{kv_heads} "
+            assert verdict.ok, (f"{kernel.name} on {shown} {kv_heads * group}/{kv_heads} "
                                 f"strided {strided} scale {scale} (EVO_FUZZ_SEED={SEED}): "
                                 f"{verdict.reason}")
 
@@ -186,23 +181,15 @@ def draw_dense_shape(rng: random.Random) -> dict:
 
 
 def check_dense(family: str, head_dim: int, dtype: str, causal: bool, backward: bool) -> None:
-    arch = gpu_arch()
-    if not space(family).supports(arch):
-        pytest.skip(f"{family} does not target {arch.name}")
     rng = random.Random(f"{SEED}-{family}-{head_dim}-{dtype}-{causal}")
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, CAUSAL=causal)
-    points = draw_points(rng, problem, POINTS_EACH, family)
-    cands = [make_candidate(space(family), p, problem, arch) for p in points]
-    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     check = validate.check_backward if backward else validate.check
-    for cand, result in zip(cands, compile_many(cands, arch), strict=True):
-        assert result.ok, f"{cand.identity} (EVO_FUZZ_SEED={SEED}): {result.error}"
-        kernel = BackwardKernel(cand, result) if backward else Kernel(cand, result)
+    for kernel in drawn_kernels(rng, family, problem, BackwardKernel if backward else Kernel):
         for _ in range(CALLS_EACH):
             shape = draw_dense_shape(rng)
-            verdict = check(kernel, head_dim=head_dim, causal=causal, dtype=torch_dtype,
+            verdict = check(kernel, head_dim=head_dim, causal=causal, dtype=KERNEL_DTYPES[dtype],
                             seed=rng.randrange(2**62), **shape)
-            assert verdict.ok, (f"{cand.identity} on {shape} (EVO_FUZZ_SEED={SEED}): "
+            assert verdict.ok, (f"{kernel.name} on {shape} (EVO_FUZZ_SEED={SEED}): "
                                 f"{verdict.reason}")
 
 
