@@ -1,19 +1,20 @@
 """The attention backward pass: dQ, dK, dV from a compiled backward candidate (``mma_bwd`` on
 mma.sync, sm_80+; ``wgmma_bwd`` on wgmma, sm_90a).
 
-The launcher is ``evoengine.launch.CudaBackward`` (its docstring holds the three kernels' ABI), so
-that exported modules carry the same code; ``BackwardKernel`` builds one from a candidate.
+The launchers are ``evoengine.launch.CudaBackward`` (its docstring holds the three kernels' ABI)
+and, for ragged batches, ``CudaVarlenBackward``, so that exported modules carry the same code;
+``BackwardKernel`` and ``VarlenBackwardKernel`` build one from a candidate.
 """
 
 from __future__ import annotations
 
 from evoengine.arch import Arch
 from evoengine.compile import CompileResult, compile_candidate
-from evoengine.launch import BACKWARD_ENTRIES, CudaBackward
+from evoengine.launch import BACKWARD_ENTRIES, CudaBackward, CudaVarlenBackward
 from evoengine.render import Candidate
 from evoengine.runtime import compiled_cubin
 
-__all__ = ["BACKWARD_ENTRIES", "BACKWARD_FAMILIES", "BackwardKernel"]
+__all__ = ["BACKWARD_ENTRIES", "BACKWARD_FAMILIES", "BackwardKernel", "VarlenBackwardKernel"]
 
 BACKWARD_FAMILIES = ("mma_bwd", "wgmma_bwd")
 
@@ -38,3 +39,25 @@ class BackwardKernel(CudaBackward):
 
     def __repr__(self) -> str:
         return f"BackwardKernel({self.candidate.identity!r})"
+
+
+class VarlenBackwardKernel(CudaVarlenBackward):
+    """One backward candidate compiled with VARLEN: ``kernel(q, k, v, out, lse, dout,
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=...) -> (dq, dk, dv)`` on
+    packed tensors (``CudaVarlenBackward``)."""
+
+    def __init__(self, candidate: Candidate, compiled: CompileResult) -> None:
+        if not candidate.problem.get("VARLEN"):
+            raise ValueError(f"{candidate.identity} is not compiled for ragged batches (VARLEN)")
+        super().__init__(candidate.identity, arch=compiled.arch,
+                         cubin=compiled_cubin(candidate, compiled),
+                         **self.spec_args(candidate.spec()))
+        self.candidate = candidate
+        self.compiled = compiled
+
+    @classmethod
+    def build(cls, candidate: Candidate, arch: Arch | str) -> VarlenBackwardKernel:
+        return cls(candidate, compile_candidate(candidate, arch))
+
+    def __repr__(self) -> str:
+        return f"VarlenBackwardKernel({self.candidate.identity!r})"

@@ -346,7 +346,8 @@ def import_module_file(path: str | os.PathLike[str], name: str | None = None) ->
 
 
 # how a summary names each kind
-_KIND_WORDS = {"bwd": "backward ", "varlen": "varlen ", "decode": "decode "}
+_KIND_WORDS = {"bwd": "backward ", "varlen": "varlen ", "varlen_bwd": "varlen backward ",
+               "decode": "decode "}
 
 
 @dataclass(frozen=True)
@@ -442,6 +443,9 @@ def _header(specs: list[dict[str, Any]], entries: list[Entry], prov: dict[str, A
               *(_dispatch_lines(specs, entries, "bwd") or ["  none"]),
               "Ragged batches (attention_varlen; lengths are the workload's longest):",
               *(_dispatch_lines(specs, entries, "varlen") or ["  none"])]
+    ragged_backward = _dispatch_lines(specs, entries, "varlen_bwd")
+    if ragged_backward:  # else attention_varlen's gradients are SDPA's, sequence by sequence
+        lines += ["Ragged batches' backward (attention_varlen's gradients):", *ragged_backward]
     decode = _dispatch_lines(specs, entries, "decode")
     if decode:  # sq: q_len, sk: cache length (nearest cache length, then batch)
         lines += ["Decode (sq: q_len, sk: cache length):", *decode]

@@ -529,6 +529,112 @@ def check_varlen_workload(fn: VarlenFn, workload: Any, *,
     return worst
 
 
+def check_varlen_backward(fn: BackwardFn, *, seqlens: tuple[tuple[int, int], ...], heads: int,
+                          kv_heads: int, head_dim: int, causal: bool, dtype: torch.dtype,
+                          scale: float | None = None, strided: bool = True,
+                          seed: int | None = None, device: str = "cuda") -> Verdict:
+    """Run ``fn(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, causal=, scale=, dq=, dk=, dv=)`` once on fresh packed inputs and judge
+    every sequence's gradients on their own, as ``check_backward`` judges a batch.
+
+    ``out`` and ``lse`` (float32 [H, total_q]) are each sequence's float64 reference forward,
+    rounded; dQ, dK, dV are poisoned with NaN. ``strided`` takes q, k, v as head slices of
+    one packed qkv tensor and dq, dk, dv as slices of one dqkv tensor. A sequence without
+    keys must get dQ exactly zero, one without queries dK and dV exactly zero.
+    """
+    import torch
+
+    gen = torch.Generator(device=device)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    gen.manual_seed(seed)
+    cq, ck = [0], [0]
+    for lq, lk in seqlens:
+        cq.append(cq[-1] + lq)
+        ck.append(ck[-1] + lk)
+
+    def packed(fill: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        widths = (heads, kv_heads, kv_heads)
+        if strided:  # one [rows, H + 2 KV, D] tensor; its row count the longer side's
+            rows = max(cq[-1], ck[-1])
+            shape = (rows, heads + 2 * kv_heads, head_dim)
+            whole = (torch.randn(shape, generator=gen, device=device).to(dtype) if fill is None
+                     else torch.full(shape, fill, device=device, dtype=dtype))
+            return (whole[:cq[-1], :heads], whole[:ck[-1], heads:heads + kv_heads],
+                    whole[:ck[-1], heads + kv_heads:])
+        out = []
+        for rows, width in zip((cq[-1], ck[-1], ck[-1]), widths, strict=True):
+            shape = (rows, width, head_dim)
+            out.append(torch.randn(shape, generator=gen, device=device).to(dtype)
+                       if fill is None else torch.full(shape, fill, device=device, dtype=dtype))
+        return out[0], out[1], out[2]
+
+    q, k, v = packed(None)
+    dout = torch.randn(q.shape, generator=gen, device=device).to(dtype)
+    out = torch.zeros(q.shape, device=device, dtype=dtype)
+    lse = torch.full((heads, cq[-1]), float("-inf"), device=device, dtype=torch.float32)
+    spans = [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(seqlens))]
+
+    def seq(x: torch.Tensor, rows: slice) -> torch.Tensor:
+        return x[rows].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+
+    for (rows_q, rows_k), (lq, lk) in zip(spans, seqlens, strict=True):
+        if lq and lk:
+            ref, ref_lse = reference(seq(q, rows_q), seq(k, rows_k), seq(v, rows_k),
+                                     causal=causal, scale=scale)
+            out[rows_q] = ref[0].transpose(0, 1).to(dtype)
+            lse[:, rows_q] = ref_lse[0].float()
+    dq, dk, dv = packed(float("nan"))
+    fn(q, k, v, out, lse, dout, torch.tensor(cq, dtype=torch.int32, device=device),
+       torch.tensor(ck, dtype=torch.int32, device=device), max(lq for lq, _ in seqlens),
+       max(lk for _, lk in seqlens), causal=causal, scale=scale, dq=dq, dk=dk, dv=dv)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    worst = Verdict(True, 0.0, math.inf)
+    for b, ((rows_q, rows_k), (lq, lk)) in enumerate(zip(spans, seqlens, strict=True)):
+        where = f"in sequence {b} ({lq}x{lk}) (seed {seed})"
+        if not (lq and lk):  # no (query, key) pair: the gradients it has are exactly 0
+            for name, g in (("dq", dq[rows_q]), ("dk", dk[rows_k]), ("dv", dv[rows_k])):
+                if bool((g != 0).any()):  # NaN too
+                    return Verdict(False, math.inf, 0.0,
+                                   f"{name} of a sequence without {'keys' if lq else 'queries'}"
+                                   f" is not exactly zero {where}")
+            continue
+        inputs = (seq(q, rows_q), seq(k, rows_k), seq(v, rows_k), seq(dout, rows_q))
+        refs = reference_grads(*inputs, causal=causal, scale=scale)
+        baselines = sdpa_grads(*inputs, causal=causal, scale=scale)
+        no_key = torch.isneginf(lse[0, rows_q]) if causal else None
+        verdict = judge_grads((seq(dq, rows_q), seq(dk, rows_k), seq(dv, rows_k)), refs,
+                              baselines, no_key_rows=no_key)
+        if not verdict.ok:
+            return Verdict(False, verdict.max_err, verdict.tolerance, f"{verdict.reason} {where}")
+        if verdict.max_err / verdict.tolerance >= worst.max_err / worst.tolerance:
+            worst = verdict
+    return worst
+
+
+def check_varlen_backward_workload(fn: BackwardFn, workload: Any, *,
+                                   scale: float | None = None,
+                                   device: str = "cuda") -> Verdict:
+    """``check_varlen_backward`` on every check of ``varlen_plan(workload)``, each on fresh
+    inputs: the first failure, or a pass carrying the gradient nearest its tolerance."""
+    from evoengine.launch import KERNEL_DTYPES
+
+    dtype = KERNEL_DTYPES[workload.dtype]
+    worst = Verdict(True, 0.0, math.inf)
+    for seqlens, heads, kv_heads, strided in varlen_plan(workload):
+        verdict = check_varlen_backward(fn, seqlens=seqlens, heads=heads, kv_heads=kv_heads,
+                                        head_dim=workload.head_dim, causal=workload.causal,
+                                        dtype=dtype, scale=scale, strided=strided,
+                                        device=device)
+        if not verdict.ok:
+            return Verdict(False, verdict.max_err, verdict.tolerance,
+                           f"{verdict.reason}, {len(seqlens)} sequences H{heads}/{kv_heads}")
+        if verdict.max_err / verdict.tolerance >= worst.max_err / worst.tolerance:
+            worst = verdict
+    return worst
+
+
 # ---- decode over a KV cache -----------------------------------------------------------------
 
 DecodeFn = Callable[..., "torch.Tensor"]

@@ -349,8 +349,8 @@ def test_an_elite_of_another_kind_than_its_workload_is_refused(built: Built,
     with Store(f"sqlite:///{tmp_path / 'mixed.db'}") as store:
         add(store, built.bwd)
         win(store, Workload(1, 8, 512, 64), [(built.bwd.identity, 10.0)], study="s1")
-    with pytest.raises(ExportError, match=f"elite {built.bwd.identity} is a bwd kernel but "
-                                          "won fwd workloads"):
+    with pytest.raises(ExportError, match=f"elite {built.bwd.identity} is a bwd/varlen_bwd "
+                                          "kernel but won fwd workloads"):
         export_best(tmp_path / "mixed.db", "sm_90a", output=tmp_path / "x.py")
 
 

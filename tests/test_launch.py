@@ -100,8 +100,8 @@ def test_launcher_modules_join_into_one_namespace() -> None:
     namespace: dict[str, object] = {}
     exec(compile(sa.module_text(), "launcher", "exec"), namespace)
     assert isinstance(namespace["TunedAttention"], type)
-    assert set(namespace["KERNEL_CLASSES"]) == set(sa.KINDS) == {"fwd", "bwd", "varlen",
-                                                                  "decode"}
+    assert set(namespace["KERNEL_CLASSES"]) == set(sa.KINDS) == {
+        "fwd", "bwd", "varlen", "varlen_bwd", "decode"}
 
 
 @pytest.mark.parametrize(("cubin", "device", "runs"), [
@@ -363,7 +363,7 @@ def test_backward_spec_builds_the_backward_launcher() -> None:
     assert k.main.cubin == k.pre.cubin == b"\x7fELF cubin bytes"
     assert isinstance(kernel_from_spec(spec(), "sm_90a"), CudaKernel)  # no kind: a forward
     with pytest.raises(ValueError, match="kernel mma-x is of kind 'prefill'; this launcher "
-                                         "knows fwd, bwd, varlen, decode"):
+                                         "knows fwd, bwd, varlen, varlen_bwd, decode"):
         kernel_from_spec(spec(kind="prefill"), "sm_90a")
 
 

@@ -188,13 +188,14 @@ def test_by_default_every_call_the_model_makes_is_tuned() -> None:
     """No --kinds: every registered kind with calls and a space; an encoder has no decode,
     and a kind no given space serves is left out, each named in the plan."""
     tp = tune.plan(TINY, SM90, name="t")
-    assert tp.kinds == ("fwd", "bwd", "varlen", "decode") and not tp.notes
+    assert tp.kinds == ("fwd", "bwd", "varlen", "varlen_bwd", "decode") and not tp.notes
     encoder = tune.plan(replace(TINY, causal=False), SM90, name="t")
-    assert encoder.kinds == ("fwd", "bwd", "varlen")
+    assert encoder.kinds == ("fwd", "bwd", "varlen", "varlen_bwd")
     assert encoder.notes == ("decode: the model makes no such calls",)
     only = tune.plan(TINY, SM90, name="t", spaces=MMA)  # mma serves fwd and varlen
     assert only.kinds == ("fwd", "varlen")
-    assert [n.split(":")[0] for n in only.notes] == ["bwd left out", "decode left out"]
+    assert [n.split(":")[0] for n in only.notes] == ["bwd left out", "varlen_bwd left out",
+                                                     "decode left out"]
     assert "note: bwd left out: no bwd search space targets sm_90a" in only.describe()
     with pytest.raises(ValueError, match="makes no decode calls"):
         tune.plan(replace(TINY, causal=False), SM90, name="t", kinds=("decode",))
@@ -212,9 +213,10 @@ def test_a_kind_whose_spaces_admit_no_point_is_left_out_before_the_tune_starts()
     d256 = replace(TINY, head_dim=256)
     tp = tune.plan(d256, SM90, name="t")
     assert tp.kinds == ("fwd", "varlen", "decode")
-    (note,) = tp.notes
+    note, ragged = tp.notes
     assert note.startswith("bwd left out: no bwd search space admits")
     assert "mma_bwd: no point admitted (its first: " in note and "wgmma_bwd: no point" in note
+    assert ragged.startswith("varlen_bwd left out: no varlen_bwd search space admits")
     with pytest.raises(ValueError, match="wgmma_bwd: no point admitted"):
         tune.plan(d256, SM90, name="t", kinds=("bwd",))
 

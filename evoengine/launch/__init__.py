@@ -16,6 +16,8 @@ when the modules are joined into one namespace, so top-level names must not coll
 - ``varlen``: ``CudaVarlenKernel``, the forward on ragged batches (packed q, k, v with
   cu_seqlens), its input checks and its SDPA fallback;
 - ``backward``: ``CudaBackward``, the backward's three kernels (their ABI);
+- ``varlen_backward``: ``CudaVarlenBackward``, the backward on ragged batches, and the
+  autograd function that gives a varlen forward these kernels' gradients;
 - ``decode``: ``CudaDecode``, decode over a contiguous or paged KV cache (its two kernels'
   ABI, the input and value checks), and ``TunedDecode``, the exported ``attention_decode``;
 - ``dispatch``: what an export carries (packed cubins, hashes), the kernel class of each
@@ -94,11 +96,12 @@ from evoengine.launch.forward import CudaKernel
 from evoengine.launch.tma import TMA_FAMILIES, TmaParams, tma_geometry, tma_grid, tma_params
 from evoengine.launch.transformers import register_hf, transformers_attention
 from evoengine.launch.tuned import TunedAttention
+from evoengine.launch.varlen_backward import CudaVarlenBackward
 
 # The modules an exported module carries, in the order they are joined (each after those it
 # imports from).
-MODULES = ("core", "tma", "forward", "varlen", "backward", "decode", "dispatch", "explain",
-           "transformers", "tuned")
+MODULES = ("core", "tma", "forward", "varlen", "backward", "varlen_backward", "decode",
+           "dispatch", "explain", "transformers", "tuned")
 PACKAGE = __name__
 
 __all__ = [
@@ -108,7 +111,8 @@ __all__ = [
     "sdpa_decode",
     "FALLBACKS", "KERNEL_CLASSES", "KERNEL_DTYPES", "KERNEL_NAME", "KINDS", "LOG2E", "MIN_SM",
     "MODULES", "NVRTC_OPTIONS", "POST_THREADS", "PRE_ROWS", "PRE_THREADS", "TMA_FAMILIES",
-    "CudaBackward", "CudaKernel", "Entry", "Explanation", "IntegrityError", "NoKernelError",
+    "CudaBackward", "CudaKernel", "CudaVarlenBackward", "Entry", "Explanation",
+    "IntegrityError", "NoKernelError",
     "ParamBuffer", "Problem", "TmaParams", "TunedAttention", "check_grid", "check_inputs",
     "check_like", "check_out", "cubin_runs_on", "describe", "device_arch", "dispatch_table",
     "explain_call", "kernel_from_spec", "module_paths", "module_text", "nearest", "pack_cubin",

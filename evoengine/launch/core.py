@@ -431,6 +431,7 @@ class ParamBuffer:
             fmt += f"{pad}x{field}" if pad else field
             offsets.append(at + pad)
             at += pad + size
+        self.codes = codes
         self.struct = struct.Struct(fmt)
         self.offsets = tuple(offsets)
 

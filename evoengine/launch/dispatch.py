@@ -18,6 +18,7 @@ from evoengine.launch.core import IntegrityError
 from evoengine.launch.decode import CudaDecode
 from evoengine.launch.forward import CudaKernel
 from evoengine.launch.varlen import CudaVarlenKernel
+from evoengine.launch.varlen_backward import CudaVarlenBackward
 
 
 def pack_cubin(cubin: bytes) -> str:
@@ -36,7 +37,8 @@ def sha256(data: str | bytes) -> str:
 # The kernel class of each problem kind a module can carry: each builds itself from a spec
 # (``from_spec``). A new kind of kernel adds its class here.
 KERNEL_CLASSES: dict[str, Any] = {cls.kind: cls for cls in (CudaKernel, CudaBackward,
-                                                             CudaVarlenKernel, CudaDecode)}
+                                                             CudaVarlenKernel,
+                                                             CudaVarlenBackward, CudaDecode)}
 KINDS = tuple(KERNEL_CLASSES)  # the problems a module carries kernels for
 
 

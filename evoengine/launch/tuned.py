@@ -38,6 +38,7 @@ from evoengine.launch.varlen import (
     varlen_sdpa,
     with_sdpa_gradients,
 )
+from evoengine.launch.varlen_backward import with_kernel_gradients
 
 # How many TorchDispatchModes are active (FakeTensorMode, FlopCounterMode, ...): calls under
 # one go through the custom op, so that the mode sees it.
@@ -306,8 +307,9 @@ class TunedAttention:
         are checked before any launch, one-line ``ValueError``s; ``check`` includes what
         cu_seqlens hold, read back to the host (one sync per call): ``check=False`` skips it.
         Eager only (no torch.compile). Where q, k or v require grad the result is
-        differentiable: the forward is the kernel's, the backward recomputes each sequence
-        through SDPA (no varlen backward kernel yet).
+        differentiable: the forward is the kernel's, the backward the varlen backward kernel
+        tuned nearest the call (entries of kind ``varlen_bwd``), or, where the module has none
+        for the call, each sequence recomputed and differentiated through SDPA.
         """
         check_fallback(fallback)
         p = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -335,17 +337,29 @@ class TunedAttention:
         into = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
         check_varlen_out(into, lse, q, p)
 
-        def run(dst: Tensor) -> Tensor:
+        def run(dst: Tensor, dst_lse: Tensor | None = lse) -> Tensor:
             kernel.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
-                          dst, lse, scale)
+                          dst, dst_lse, scale)
             return dst
 
         if not wants_grad(q, k, v):
             return run(into)
         # The autograd function's output is its own; out, where given, gets a copy.
         own = into if out is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        result = with_sdpa_gradients(lambda: run(own), q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                     causal=causal, scale=scale)
+        backward = self._kernel_for(q, shape, causal, "varlen_bwd")
+        if backward is None:
+            result = with_sdpa_gradients(lambda: run(own), q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                         causal=causal, scale=scale)
+        else:
+            def run_lse(own_lse: Tensor) -> Tensor:
+                run(own, own_lse)
+                if lse is not None:
+                    lse.copy_(own_lse)
+                return own
+
+            result = with_kernel_gradients(run_lse, backward, q, k, v, cu_seqlens_q,
+                                           cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
+                                           causal=causal, scale=scale)
         return result if out is None else out.copy_(result)
 
     def register_transformers(self, name: str = "evoengine", *,

@@ -15,9 +15,10 @@ from evoengine.problems.base import DEFAULT_KIND, Problem, Rate, Workload
 from evoengine.problems.decode import Decode
 from evoengine.problems.forward import Forward
 from evoengine.problems.varlen import Varlen
+from evoengine.problems.varlen_bwd import VarlenBackward
 
 PROBLEMS: dict[str, Problem] = {p.kind: p for p in (Forward(), Backward(), Varlen(),
-                                                     Decode())}
+                                                     VarlenBackward(), Decode())}
 
 __all__ = ["DEFAULT_KIND", "PROBLEMS", "Problem", "Rate", "Workload", "problem", "problem_of",
            "workload_from_dict", "workload_from_key"]

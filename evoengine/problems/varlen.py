@@ -38,11 +38,11 @@ if TYPE_CHECKING:
     from evoengine.render import Candidate
     from evoengine.validate import Verdict
 
-PREFIX = "varlen-"
 # random:N:LO:HI:SEED: N sequences, each random.Random(SEED).randint(LO, HI) long (queries and
 # keys alike), drawn in order.
 _RANDOM = re.compile(r"random:(\d+):(\d+):(\d+):(\d+)")
-_KEY = re.compile(r"varlen-(?P<lengths>r\d+x\d+x\d+s\d+|n\d+-t\d+-[0-9a-f]{10})-h(\d+)-kv(\d+)"
+# A key after its kind's prefix (``varlen-``, ``varlen_bwd-``).
+_KEY = re.compile(r"(?P<lengths>r\d+x\d+x\d+s\d+|n\d+-t\d+-[0-9a-f]{10})-h(\d+)-kv(\d+)"
                   r"-d(\d+)-(causal|full)-(\w+)")
 MAX_SEQUENCES = 65535  # CUDA's grid limit on the batch dimension (mma's gridDim.z)
 
@@ -186,7 +186,7 @@ class VarlenWorkload:
         return f"n{self.batch}-t{self.total_q}-{digest}"
 
     def key(self) -> str:
-        return (f"{PREFIX}{self.lengths_tag()}-h{self.heads}-kv{self.kv_heads}-d{self.head_dim}"
+        return (f"{self.kind}-{self.lengths_tag()}-h{self.heads}-kv{self.kv_heads}-d{self.head_dim}"
                 f"-{'causal' if self.causal else 'full'}-{self.dtype}")
 
     def pairs(self) -> int:
@@ -205,6 +205,11 @@ class VarlenWorkload:
                 "causal": self.causal, "dtype": self.dtype, "source": self.source}
 
     @classmethod
+    def of(cls, workload: VarlenWorkload) -> VarlenWorkload:
+        """``workload``'s call, as a workload of this class's kind."""
+        return cls.from_dict(workload.to_dict())
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> VarlenWorkload:
         try:
             return cls(seqlens=tuple(tuple(x) for x in data["seqlens"]),  # type: ignore[misc]
@@ -218,13 +223,14 @@ class VarlenWorkload:
     def from_key(cls, key: str) -> VarlenWorkload:
         """The workload a key names; only keys of a random spec name their lengths (a hashed
         key's workload is in its run's row: ``from_dict``)."""
-        m = _KEY.fullmatch(key)
+        prefix = cls.kind + "-"
+        m = _KEY.fullmatch(key[len(prefix):]) if key.startswith(prefix) else None
         if m is None:
-            raise ValueError(f"not a varlen workload key: {key!r} (expected "
-                             f"{PREFIX}r16x128x4096s0-h32-kv8-d128-causal-fp16)")
+            raise ValueError(f"not a {cls.kind} workload key: {key!r} (expected "
+                             f"{prefix}r16x128x4096s0-h32-kv8-d128-causal-fp16)")
         tag = m.group("lengths")
         if not tag.startswith("r"):
-            raise ValueError(f"varlen key {key!r} names its lengths by hash: read the workload "
+            raise ValueError(f"{cls.kind} key {key!r} names its lengths by hash: read the workload "
                              "from its run (to_dict) instead")
         n, lo, hi, seed = re.findall(r"\d+", tag)
         source = f"random:{n}:{lo}:{hi}:{seed}"

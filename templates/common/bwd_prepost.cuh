@@ -10,6 +10,13 @@
 //                  padded to whole query blocks; zeroes the fp32 dQ accumulator when atomics
 //                  build it.
 //   attn_bwd_post: dQ fp32 -> fp16/bf16, scaled (summing the per-key-block parts if stored).
+// Ragged batches (a family's VARLEN, problem kind varlen_bwd): every kernel also takes
+// cu_seqlens_q, cu_seqlens_k and total_q, and batch index b is the sequence of query rows
+// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and of key rows alike (varlen_seq); the packed
+// tensors come with batch strides of 0. The forward's log-sum-exp and the fp32 dQ buffers are
+// [heads, total_q] rows (the varlen forward's log-sum-exp layout); LSE2 and DELTA are
+// [heads, seq_q_pad] with each sequence's rows padded to whole query blocks from its own
+// first row (Seq::pad0), so seq_q_pad is then that stride, not a length.
 
 namespace cfg {
 // The other two kernels: 8 lanes per row in the first, one 8-value chunk per thread in the last.
@@ -18,6 +25,26 @@ constexpr int PRE_ROWS = PRE_THREADS / 8;
 constexpr int POST_THREADS = 256;
 constexpr float LOG2E = 1.4426950408889634f;
 }  // namespace cfg
+
+// One sequence of a ragged batch: its first query and key rows in the packed tensors, its
+// lengths, and its first row in LSE2 and DELTA. pad0 = (q0 rounded down to 4) + b (BLOCK_M +
+// 4): a multiple of 4 (16-byte copies of the per-row values), and sequence b's padded rows
+// [pad0, pad0 + round_up(seq_q, BLOCK_M)) end before sequence b + 1's start, so a stride of
+// total_q + batch (BLOCK_M + 4), rounded up to 4, holds every head's (the launcher's
+// seq_q_pad).
+struct Seq {
+  int q0, k0, seq_q, seq_k;
+  long long pad0;
+};
+__device__ __forceinline__ Seq varlen_seq(const int* cu_q, const int* cu_k, int b) {
+  Seq s;
+  s.q0 = __ldg(cu_q + b);
+  s.k0 = __ldg(cu_k + b);
+  s.seq_q = __ldg(cu_q + b + 1) - s.q0;
+  s.seq_k = __ldg(cu_k + b + 1) - s.k0;
+  s.pad0 = (long long)(s.q0 & ~3) + (long long)b * (cfg::BLOCK_M + 4);
+  return s;
+}
 
 // The first query block that key block `n_block` is seen by: causal query i sees keys
 // [0, i + diag], so the rows before n0 - diag see none of it. The main kernel visits query
@@ -31,11 +58,28 @@ extern "C" __global__ void __launch_bounds__(cfg::PRE_THREADS)
 attn_bwd_pre(const elem_t* __restrict__ O, const elem_t* __restrict__ dO,
              const float* __restrict__ LSE, float* __restrict__ LSE2, float* __restrict__ DELTA,
              float* __restrict__ dQacc, int seq_q, int heads, int seq_q_pad, long long o_sb,
-             long long o_sh, long long o_ss, long long do_sb, long long do_sh, long long do_ss) {
+             long long o_sh, long long o_ss, long long do_sb, long long do_sh, long long do_ss/*%
+             if VARLEN is defined and VARLEN %*/, const int* __restrict__ cu_seqlens_q,
+             const int* __restrict__ cu_seqlens_k, int total_q/*% endif %*/) {
   using namespace cfg;
   const int head = blockIdx.y, batch = blockIdx.z;
   const int row = blockIdx.x * PRE_ROWS + threadIdx.x / 8, sub = threadIdx.x % 8;
-  const long long bh = (long long)batch * heads + head;
+  // Where this (batch, head)'s rows start: in the log-sum-exp and dQacc, in LSE2 and DELTA;
+  // and how many padded rows it has.
+  long long q_rows = ((long long)batch * heads + head) * seq_q;
+  long long pad_rows = ((long long)batch * heads + head) * seq_q_pad;
+  int pad_len = seq_q_pad;
+/*% if VARLEN is defined and VARLEN %*/
+  {
+    const Seq s = varlen_seq(cu_seqlens_q, cu_seqlens_k, batch);
+    seq_q = s.seq_q;
+    O += s.q0 * o_ss;
+    dO += s.q0 * do_ss;
+    q_rows = (long long)head * total_q + s.q0;
+    pad_rows = (long long)head * seq_q_pad + s.pad0;
+    pad_len = (seq_q + BLOCK_M - 1) / BLOCK_M * BLOCK_M;
+  }
+/*% endif %*/
   const bool real = row < seq_q;
   float acc = 0.f;
   if (real) {
@@ -58,14 +102,14 @@ attn_bwd_pre(const elem_t* __restrict__ O, const elem_t* __restrict__ dO,
   acc += __shfl_xor_sync(0xffffffffu, acc, 1);
   acc += __shfl_xor_sync(0xffffffffu, acc, 2);
   acc += __shfl_xor_sync(0xffffffffu, acc, 4);
-  if (row < seq_q_pad && sub == 0) {
-    const float lse = real ? LSE[bh * seq_q + row] : neg_inf();
+  if (row < pad_len && sub == 0) {
+    const float lse = real ? LSE[q_rows + row] : neg_inf();
     // A row that sees no key (or a padding row) gets +inf, so that its P = exp2(s - inf) is 0.
-    LSE2[bh * seq_q_pad + row] = lse == neg_inf() ? __int_as_float(0x7f800000) : lse * LOG2E;
-    DELTA[bh * seq_q_pad + row] = acc;
+    LSE2[pad_rows + row] = lse == neg_inf() ? __int_as_float(0x7f800000) : lse * LOG2E;
+    DELTA[pad_rows + row] = acc;
   }
   if (dQacc != nullptr && real) {
-    float* z = dQacc + (bh * seq_q + row) * HEAD_DIM;
+    float* z = dQacc + (q_rows + row) * HEAD_DIM;
     for (int c = sub; c < HEAD_DIM / 8; c += 8) {
       reinterpret_cast<float4*>(z + c * 8)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
       reinterpret_cast<float4*>(z + c * 8)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -76,14 +120,28 @@ attn_bwd_pre(const elem_t* __restrict__ O, const elem_t* __restrict__ dO,
 extern "C" __global__ void __launch_bounds__(cfg::POST_THREADS)
 attn_bwd_post(const float* __restrict__ dQacc, const float* __restrict__ dQpart,
               elem_t* __restrict__ dQ, int seq_q, int seq_k, int heads, long long dq_sb,
-              long long dq_sh, long long dq_ss, float scale) {
+              long long dq_sh, long long dq_ss, float scale/*% if VARLEN is defined and VARLEN
+              %*/, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+              int total_q/*% endif %*/) {
   using namespace cfg;
   constexpr int CHUNKS = HEAD_DIM / 8;
   const int head = blockIdx.y, batch = blockIdx.z;
   const int c = blockIdx.x * POST_THREADS + threadIdx.x;
+  // Where this (batch, head)'s rows start in dQacc and the parts, and a part's size in rows.
+  long long q_rows = ((long long)batch * heads + head) * seq_q;
+  long long plane_rows = (long long)gridDim.z * heads * seq_q;
+/*% if VARLEN is defined and VARLEN %*/
+  {
+    const Seq s = varlen_seq(cu_seqlens_q, cu_seqlens_k, batch);
+    seq_q = s.seq_q;
+    seq_k = s.seq_k;
+    dQ += s.q0 * dq_ss;
+    q_rows = (long long)head * total_q + s.q0;
+    plane_rows = (long long)heads * total_q;
+  }
+/*% endif %*/
   if (c >= seq_q * CHUNKS) return;
   const int row = c / CHUNKS, col = (c % CHUNKS) * 8;
-  const long long bh = (long long)batch * heads + head;
   float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   auto add = [&](const float* src) {
     const float4 lo = reinterpret_cast<const float4*>(src)[0];
@@ -91,11 +149,11 @@ attn_bwd_post(const float* __restrict__ dQacc, const float* __restrict__ dQpart,
     x[0] += lo.x, x[1] += lo.y, x[2] += lo.z, x[3] += lo.w;
     x[4] += hi.x, x[5] += hi.y, x[6] += hi.z, x[7] += hi.w;
   };
-  const long long at = (bh * seq_q + row) * HEAD_DIM + col;
+  const long long at = (q_rows + row) * HEAD_DIM + col;
   if (dQpart == nullptr && DQACC_TRANSPOSED) {
     // Column col + j (j = 0..7) of 16-column group g = col / 16, half h: at (2 j + h) ^
     // (8 ((row >> 2) & 1)) of group g ^ ((row >> 1) & 1).
-    const float* slot = dQacc + (bh * seq_q + row) * HEAD_DIM +
+    const float* slot = dQacc + (q_rows + row) * HEAD_DIM +
                         16 * ((col / 16) ^ ((row >> 1) & 1)) + (col / 8 % 2);
     const int half = 4 * ((row >> 2) & 1);
 #pragma unroll
@@ -103,7 +161,7 @@ attn_bwd_post(const float* __restrict__ dQacc, const float* __restrict__ dQpart,
   } else if (dQpart == nullptr && DQACC_FRAGMENT) {
     // Columns col + 2 q + {0, 1} (q = 0..3) of 16-column group g = col / 16, half h: slot
     // g ^ (row & 1), values 4 q + 2 h + {0, 1} of it.
-    const float* slot = dQacc + (bh * seq_q + row) * HEAD_DIM +
+    const float* slot = dQacc + (q_rows + row) * HEAD_DIM +
                         16 * ((col / 16) ^ (row & 1)) + (col / 8 % 2) * 2;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -115,7 +173,7 @@ attn_bwd_post(const float* __restrict__ dQacc, const float* __restrict__ dQpart,
   } else {
     // The parts of the key blocks that visited this row's query block, in key order.
     const int n_blocks = (seq_k + BLOCK_N - 1) / BLOCK_N, m_block = row / BLOCK_M;
-    const long long plane = (long long)gridDim.z * heads * seq_q * HEAD_DIM;
+    const long long plane = plane_rows * HEAD_DIM;
     for (int n = 0; n < n_blocks && first_query_block(n, seq_k - seq_q) <= m_block; ++n)
       add(dQpart + n * plane + at);
   }

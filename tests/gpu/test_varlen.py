@@ -17,6 +17,7 @@ from evoengine import paths, validate
 from evoengine.compile import compile_many
 from evoengine.launch.varlen import varlen_sdpa
 from evoengine.problems.varlen import VarlenWorkload, parse_seqlens
+from evoengine.problems.varlen_bwd import VarlenBackwardWorkload
 from evoengine.render import Candidate, make_candidate
 from evoengine.runtime import VarlenKernel, gpu_arch
 from evoengine.space import SearchSpace
@@ -268,6 +269,12 @@ VARLEN_WINNERS = [  # (family, problem, point, workload it wins); wgmma where sm
      wgmma_point(PINGPONG=True, PERSISTENT=True, SCHEDULER="dynamic"),
      VarlenWorkload(*parse_seqlens("random:16:128:4096:0")[:1], heads=32, kv_heads=8,
                     head_dim=128, causal=True, source="random:16:128:4096:0")),
+    # The backward of the first (the tiny Llama's calls: d64 fp16 causal).
+    ("mma_bwd", dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True, VARLEN=True),
+     dict(BLOCK_M=64, BLOCK_N=128, NUM_WARPS=8, STAGES=2, SWIZZLE="xor", DQ_ACCUM="atomic",
+          KV_IN_REGS=False),
+     VarlenBackwardWorkload(((200, 200), (57, 57)), heads=4, kv_heads=2, head_dim=64,
+                            causal=True)),
 ]
 
 
@@ -283,7 +290,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyp
     db = root / "evo.db"
     with Store(f"sqlite:///{db}") as store:
         for family, problem, point, w in VARLEN_WINNERS:
-            if family not in families():
+            if family not in (*families(), "mma_bwd"):
                 continue
             (cand,) = varlen_candidates(family, [point], problem["CAUSAL"], problem["DTYPE"],
                                         problem["HEAD_DIM"])
@@ -347,9 +354,10 @@ def test_transformers_padding_runs_through_the_varlen_kernels(
 
 def test_transformers_padded_training_step_has_every_gradient(
         exported, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """Training on padded batches: the forward through the varlen kernels, every parameter's
-    gradient as close to the float32 model's as SDPA's in fp16 is (the q, k, v projections'
-    too: with an output that autograd cannot see through they would get none)."""
+    """Training on padded batches: the forward through the varlen kernels, the backward
+    through the varlen backward kernel, every parameter's gradient as close to the float32
+    model's as SDPA's in fp16 is (the q, k, v projections' too: with an output that autograd
+    cannot see through they would get none)."""
     pytest.importorskip("transformers")
     from tests.gpu.test_export import assert_training_step_matches, llamas
 
@@ -357,13 +365,44 @@ def test_transformers_padded_training_step_has_every_gradient(
     assert exported.register_transformers(name=name) == name
     models = llamas(name, train=True)
     launches = []
-    launch = exported.CudaVarlenKernel.launch
-    monkeypatch.setattr(exported.CudaVarlenKernel, "launch",
-                        lambda self, *a: (launches.append(1), launch(self, *a))[1])
+    for cls in (exported.CudaVarlenKernel, exported.CudaVarlenBackward):
+        monkeypatch.setattr(cls, "launch", lambda self, *a, launch=cls.launch, **kw: (
+            launches.append(type(self).__name__), launch(self, *a, **kw))[1])
     ids = torch.randint(0, 1000, (3, 300), device="cuda")
     mask = torch.ones_like(ids)
     mask[0, :37] = 0  # left padding
     mask[1, 201:] = 0  # right padding
     assert_training_step_matches(models, ids, attention_mask=mask,
                                  labels=ids.masked_fill(mask == 0, -100))
-    assert len(launches) == 2  # two layers' forwards through the varlen kernel
+    # Two layers' forwards, then their backwards, through the varlen kernels.
+    assert launches == ["CudaVarlenKernel"] * 2 + ["CudaVarlenBackward"] * 2
+
+
+def test_exported_attention_varlen_gradients_from_the_backward_kernel(exported) -> None:  # type: ignore[no-untyped-def]
+    """attention_varlen's gradients where the module has a varlen backward kernel: within the
+    criterion of the float64 reference per sequence, as SDPA's per sequence are."""
+    torch.manual_seed(0)
+    lengths = RAGGED
+    cu = [0]
+    for lq, _ in lengths:
+        cu.append(cu[-1] + lq)
+    cu_k = [0]
+    for _, lk in lengths:
+        cu_k.append(cu_k[-1] + lk)
+    q = torch.randn(cu[-1], 4, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    k = torch.randn(cu_k[-1], 2, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    v = torch.randn(cu_k[-1], 2, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    dout = torch.randn_like(q)
+    cq = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    ck = torch.tensor(cu_k, dtype=torch.int32, device="cuda")
+    max_q, max_k = max(x for x, _ in lengths), max(x for _, x in lengths)
+    out = exported.attention_varlen(q, k, v, cq, ck, max_q, max_k, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    base = torch.autograd.grad(varlen_sdpa(q, k, v, cq, ck, causal=True), (q, k, v), dout)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    exact = torch.autograd.grad(varlen_sdpa(*leaves, cq, ck, causal=True), leaves,
+                                dout.double())
+    for name, g, b, e in zip("qkv", grads, base, exact, strict=True):
+        err = (g.double() - e).abs().max().item()
+        tol = validate.ERR_FACTOR * (b.double() - e).abs().max().item() + validate.GRAD_FLOOR
+        assert bool(torch.isfinite(g).all()) and err <= tol, (name, err, tol)
