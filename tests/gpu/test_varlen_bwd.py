@@ -56,7 +56,6 @@ def kernels(cands: list[Candidate]) -> list[VarlenBackwardKernel]:
     todo = [c for c in cands if c.identity not in _built]
     for cand, compiled in zip(todo, compile_many(todo, gpu_arch()), strict=True):
         assert compiled.ok, compiled.error
-        assert compiled.spill_bytes == 0, (cand.identity, compiled.spill_bytes)
         _built[cand.identity] = VarlenBackwardKernel(cand, compiled)
     return [_built[c.identity] for c in cands]
 
