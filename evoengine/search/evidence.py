@@ -166,7 +166,7 @@ def row(w: Workload, candidate: Candidate, us: float,
         anchors: Mapping[str, Any]) -> dict[str, Any]:
     """One result row: the point, its time and TFLOPS, and the anchors' times beside it."""
     return {
-        "kind": w.kind, "direction": "bwd" if w.kind == "bwd" else "fwd",
+        "kind": w.kind, "direction": "bwd" if w.kind in ("bwd", "varlen_bwd") else "fwd",
         "family": candidate.family, "shape": [w.batch, w.heads, w.seq_q, w.head_dim],
         "kv_heads": w.kv_heads, "seq_k": w.seq_k, "causal": w.causal, "dtype": w.dtype,
         "ours_us": us, **anchor_times(anchors),

@@ -112,7 +112,10 @@ def test_the_workload_criterion_and_a_wrong_kernel() -> None:
     (kernel, *_) = kernels(candidates(True, head_dim=64))
     v = validate.check_varlen_backward_workload(kernel, w)
     assert v.ok, v.reason
-    v = validate.check_varlen_backward_workload(functools.partial(kernel, scale=0.2), w)
+
+    def wrong_scale(*args: torch.Tensor, scale: float | None, **kw: torch.Tensor) -> tuple:
+        return kernel(*args, scale=0.2, **kw)
+    v = validate.check_varlen_backward_workload(wrong_scale, w)
     assert not v.ok and "wrong" in v.reason
 
 
