@@ -68,7 +68,7 @@ def test_the_cli_names_a_varlen_backward_workload() -> None:
 
 
 def test_the_mma_backward_space_serves_ragged_batches_and_keeps_its_identities() -> None:
-    assert [s.family for s in default_spaces("varlen_bwd")] == ["mma_bwd"]
+    assert [s.family for s in default_spaces("varlen_bwd")] == ["mma_bwd", "wgmma_bwd"]
     sp, arch = space(), get_arch("sm_89")
     assert sp.kind == "bwd" and sp.serves("varlen_bwd") and not sp.serves("varlen")
     assert all(p["VARLEN"] is True for p in sp.problems("varlen_bwd"))
@@ -91,6 +91,28 @@ def test_varlen_backward_kernels_compile_offline_without_spills(arch: str) -> No
     for cand, result in zip(cands, compile_many(cands, target), strict=True):
         assert result.ok, (cand.identity, result.error)
         assert result.spill_bytes == 0, (cand.identity, result.spill_bytes)
+
+
+# wgmma_bwd's GPU-tested points (tests/gpu/test_backward.py) that meet each loader, dQ path,
+# dQ writer and layout, the transposed dQ and the step order, each at a head dim it admits.
+WGMMA_POINTS = ((0, 64), (4, 128), (9, 128), (11, 64), (14, 128), (22, 128), (26, 128),
+                (28, 128), (29, 64), (31, 128), (33, 64), (35, 128))
+
+
+def test_wgmma_varlen_backward_kernels_compile_offline() -> None:
+    from tests.gpu.test_backward import POINTS as BWD_POINTS
+
+    sp, target = next(s for s in default_spaces("varlen_bwd") if s.family == "wgmma_bwd"), \
+        get_arch("sm_90a")
+    cands = []
+    for index, head_dim in WGMMA_POINTS:
+        problem = dict(HEAD_DIM=head_dim, DTYPE="bf16", CAUSAL=bool(index % 2), VARLEN=True)
+        point = sp.complete(BWD_POINTS["wgmma_bwd"][index])
+        assert not sp.violations(point, problem, target), index
+        cands.append(make_candidate(sp, point, problem, target))
+    for cand, result in zip(cands, compile_many(cands, target), strict=True):
+        assert result.ok, (cand.identity, result.error)
+        assert "int total_q" in render(cand)
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])

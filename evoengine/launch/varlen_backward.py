@@ -2,9 +2,11 @@
 VARLEN, launched on packed tensors with cu_seqlens, and the autograd function that gives a
 varlen forward kernel's output these kernels' gradients (``with_kernel_gradients``).
 
-Varlen backward ABI (mma_bwd with VARLEN): the three kernels of the backward ABI
+Varlen backward ABI (mma_bwd, wgmma_bwd with VARLEN): the three kernels of the backward ABI
 (``backward.py``), each taking ``cu_seqlens_q, cu_seqlens_k`` (int32*) and ``total_q``
-(int32) after its own arguments; q, k, v, out, dout, dq, dk, dv are passed with batch
+(int32) after its own arguments; a TMA kernel's tensor maps of Q and dO span the packed
+tensors seen as [1, heads, total, head_dim] (the kernel offsets each sequence's row
+coordinate); q, k, v, out, dout, dq, dk, dv are passed with batch
 strides of 0 and their packed [total, heads, head_dim] strides as the head and row strides,
 ``seq_q`` and ``seq_k`` are the longest lengths (the grids span them; each block reads its
 sequence's own). The forward's log-sum-exp is float32 [heads, total_q] (the varlen forward's);
@@ -24,12 +26,14 @@ from torch import Tensor
 
 from evoengine.launch.backward import (
     BWD_MAIN_ARGS,
+    BWD_MAIN_TMA_ARGS,
     BWD_POST_ARGS,
     BWD_PRE_ARGS,
     POST_THREADS,
     PRE_ROWS,
     PRE_THREADS,
     CudaBackward,
+    tma_operand,
 )
 from evoengine.launch.core import (
     LOG2E,
@@ -46,6 +50,7 @@ from evoengine.launch.varlen import check_varlen_inputs, check_varlen_out
 _RAGGED = "QQi"
 VARLEN_BWD_PRE_ARGS = ParamBuffer(BWD_PRE_ARGS.codes + _RAGGED)
 VARLEN_BWD_MAIN_ARGS = ParamBuffer(BWD_MAIN_ARGS.codes + _RAGGED)
+VARLEN_BWD_MAIN_TMA_ARGS = ParamBuffer(BWD_MAIN_TMA_ARGS.codes + _RAGGED)
 VARLEN_BWD_POST_ARGS = ParamBuffer(BWD_POST_ARGS.codes + _RAGGED)
 
 
@@ -63,12 +68,6 @@ class CudaVarlenBackward(CudaBackward):
     on packed [total, heads, head_dim] tensors; ``launch`` is the unchecked hot path."""
 
     kind = "varlen_bwd"  # the problem it solves (dispatch.KERNEL_CLASSES)
-
-    def __init__(self, name: str, **kw: Any) -> None:
-        if kw.get("loader", "cp_async") != "cp_async":
-            raise ValueError(f"kernel {name}: ragged backward kernels load with cp.async, "
-                             f"not {kw['loader']!r}")
-        super().__init__(name, **kw)
 
     def __repr__(self) -> str:
         return f"CudaVarlenBackward({self.name!r})"
@@ -141,11 +140,19 @@ class CudaVarlenBackward(CudaBackward):
         launch_in_context(pre, (pre.fn, -(-pre_rows // PRE_ROWS), h, batch, PRE_THREADS, 1, 1,
                                  0, stream, ctypes.addressof(args[1]), 0))
         strides = [s for t in (q, k, v, dout, dk, dv) for s in (0, t.stride(1), t.stride(0))]
-        args = VARLEN_BWD_MAIN_ARGS.pack(q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                         dout.data_ptr(), lse2.data_ptr(), delta.data_ptr(),
-                                         acc_ptr, part_ptr, dk.data_ptr(), dv.data_ptr(),
-                                         max_seqlen_q, max_seqlen_k, h, h // hkv, seq_q_pad,
-                                         *strides, scale, scale * LOG2E, *ragged)
+        main_args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(),
+                     lse2.data_ptr(), delta.data_ptr(), acc_ptr, part_ptr, dk.data_ptr(),
+                     dv.data_ptr(), max_seqlen_q, max_seqlen_k, h, h // hkv, seq_q_pad,
+                     *strides, scale, scale * LOG2E, *ragged)
+        if self.loader == "tma":  # maps over [1, heads, total, head_dim]: rows by sequence
+            q_tma = tma_operand(q.unsqueeze(0).transpose(1, 2))
+            dout_tma = tma_operand(dout.unsqueeze(0).transpose(1, 2))
+            args = VARLEN_BWD_MAIN_TMA_ARGS.pack(self.main._tensor_map(q_tma, bm),
+                                                 self.main._tensor_map(dout_tma, bm),
+                                                 *main_args)
+        else:
+            q_tma = dout_tma = None
+            args = VARLEN_BWD_MAIN_ARGS.pack(*main_args)
         launch_in_context(main, (main.fn, n_blocks, hkv, batch, self.main.threads, 1, 1,
                                   self.main.smem_bytes, stream, ctypes.addressof(args[1]), 0))
         args = VARLEN_BWD_POST_ARGS.pack(acc_ptr, part_ptr, dq.data_ptr(), max_seqlen_q,
@@ -154,7 +161,7 @@ class CudaVarlenBackward(CudaBackward):
         chunks = max_seqlen_q * (d // 8)
         launch_in_context(post, (post.fn, -(-chunks // POST_THREADS), h, batch, POST_THREADS,
                                   1, 1, 0, stream, ctypes.addressof(args[1]), 0))
-        del rows, acc, part  # only now: every launch has read their addresses
+        del rows, acc, part, q_tma, dout_tma  # only now: every launch has read them
 
 
 class _KernelGradients(torch.autograd.Function):

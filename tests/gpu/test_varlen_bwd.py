@@ -1,5 +1,6 @@
-"""The backward of ragged batches on a real GPU: the mma_bwd kernels compiled with VARLEN
-against each sequence's float64 reference gradients (``validate.check_varlen_backward``).
+"""The backward of ragged batches on a real GPU: the mma_bwd kernels (and wgmma_bwd's on
+Hopper: every point tests/gpu/test_backward.py runs) compiled with VARLEN against each
+sequence's float64 reference gradients (``validate.check_varlen_backward``).
 
 Fresh packed inputs per check, NaN-poisoned dQ, dK, dV, empty sequences (no query, no key),
 tails that are no multiple of any tile, uneven query and key lengths (causal bottom-right per
@@ -22,8 +23,8 @@ from evoengine.render import Candidate, make_candidate
 from evoengine.runtime import gpu_arch
 from evoengine.space import SearchSpace
 
-# Block shapes of both head dims (each takes those its space admits: three or more), K and V
-# in registers or not, each dQ path.
+# mma_bwd: block shapes of both head dims (each takes those its space admits: three or
+# more), K and V in registers or not, each dQ path.
 POINTS = [
     dict(BLOCK_M=64, BLOCK_N=128, NUM_WARPS=8, STAGES=2, SWIZZLE="xor", DQ_ACCUM="atomic",
          KV_IN_REGS=False),
@@ -44,11 +45,15 @@ RAGGED = ((300, 300), (0, 0), (1, 1), (129, 77), (0, 50), (40, 0), (77, 300), (5
 _built: dict[str, VarlenBackwardKernel] = {}
 
 
-def candidates(causal: bool, dtype: str = "fp16", head_dim: int = 128) -> list[Candidate]:
-    sp = SearchSpace.load(paths.SPACES / "mma_bwd.toml")
+def candidates(causal: bool, dtype: str = "fp16", head_dim: int = 128,
+               family: str = "mma_bwd") -> list[Candidate]:
+    from tests.gpu.test_backward import POINTS as BWD_POINTS
+
+    sp = SearchSpace.load(paths.SPACES / f"{family}.toml")
     arch = gpu_arch()
     problem = dict(HEAD_DIM=head_dim, DTYPE=dtype, CAUSAL=causal, VARLEN=True)
-    return [make_candidate(sp, p, problem, arch) for p in POINTS
+    points = [sp.complete(p) for p in (POINTS if family == "mma_bwd" else BWD_POINTS[family])]
+    return [make_candidate(sp, p, problem, arch) for p in points
             if not sp.violations(p, problem, arch)]
 
 
@@ -66,8 +71,11 @@ def dtype_of(name: str) -> torch.dtype:
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_ragged_backward_passes_the_criterion(causal: bool, head_dim: int) -> None:
-    found = kernels(candidates(causal, head_dim=head_dim))
+@pytest.mark.parametrize("family", ["mma_bwd", "wgmma_bwd"])
+def test_ragged_backward_passes_the_criterion(family: str, causal: bool, head_dim: int) -> None:
+    if family == "wgmma_bwd" and gpu_arch().name != "sm_90a":
+        pytest.skip("wgmma_bwd runs on sm_90a only")
+    found = kernels(candidates(causal, head_dim=head_dim, family=family))
     assert len(found) >= 3
     for kernel in found:
         for heads, kv, strided in ((8, 2, True), (4, 4, False)):
@@ -78,8 +86,12 @@ def test_ragged_backward_passes_the_criterion(causal: bool, head_dim: int) -> No
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_deterministic_path_is_right_and_bit_identical(causal: bool) -> None:
-    kernel = kernels(candidates(causal, head_dim=64))[0]
+@pytest.mark.parametrize("family", ["mma_bwd", "wgmma_bwd"])
+def test_the_deterministic_path_is_right_and_bit_identical(family: str, causal: bool) -> None:
+    if family == "wgmma_bwd" and gpu_arch().name != "sm_90a":
+        pytest.skip("wgmma_bwd runs on sm_90a only")
+    kernel = next(k for k in kernels(candidates(causal, head_dim=64, family=family))
+                  if k.dq_accum == "atomic")
     assert kernel.dq_accum == "atomic"
     fn = functools.partial(kernel, deterministic=True)
     v = validate.check_varlen_backward(fn, seqlens=RAGGED, heads=8, kv_heads=2, head_dim=64,
