@@ -2,6 +2,12 @@
 
     python benchmarks/varlen_bench.py --json out.json            # issue #18's workload
     python benchmarks/varlen_bench.py --seqlens 128,4096,300 --heads 16 --head-dim 64
+    python benchmarks/varlen_bench.py --kind varlen_bwd --points search.json --json out.json
+
+``--kind varlen_bwd`` times the backward of the same ragged batch (its anchors: SDPA's
+backward on the padded batch and FA4's varlen backward, by ``torch.autograd.grad``), its
+candidates the rows of ``--points`` (a search's results JSON: each row's family and
+parameters).
 
 The workload (default: 16 sequences of random.Random(0) lengths in 128..4096, causal, GQA
 32/8, d128, fp16) is a ``varlen`` problem (evoengine/problems/varlen.py). The candidates are
@@ -27,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evoengine.compile import compile_many  # noqa: E402
 from evoengine.problems.varlen import VarlenWorkload, parse_seqlens  # noqa: E402
+from evoengine.problems.varlen_bwd import VarlenBackwardWorkload  # noqa: E402
 from evoengine.provenance import header  # noqa: E402
 from evoengine.search.domain import Domain  # noqa: E402
 from evoengine.space import default_spaces  # noqa: E402
@@ -47,7 +54,8 @@ MMA_POINTS = [
 ]
 
 
-def points(domain: Domain, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
+def points(domain: Domain, limit: int | None,
+           listed: Path | None = None) -> list[tuple[str, dict[str, Any]]]:
     """The candidate points the domain admits: wgmma's re-time points (parameters they lack
     expanded over their domains) where wgmma runs, and the mma points."""
     out: list[tuple[str, dict[str, Any]]] = []
@@ -63,7 +71,10 @@ def points(domain: Domain, limit: int | None) -> list[tuple[str, dict[str, Any]]
             if not domain.violations(family, p) and (family, p) not in out:
                 out.append((family, p))
 
-    if "wgmma" in domain.spaces:
+    if listed is not None:  # a results JSON's rows
+        for r in json.loads(listed.read_text())["rows"]:
+            add(r["family"], r["params"])
+    elif "wgmma" in domain.spaces:
         table = json.loads(RETIME_POINTS.read_text())["workloads"]
         head_dim = int(domain.workload.head_dim)
         for text in RETIME_WORKLOADS.get(head_dim, RETIME_WORKLOADS[128]):
@@ -91,23 +102,27 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=4, help="fastest N re-timed interleaved")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--kind", choices=("varlen", "varlen_bwd"), default="varlen")
+    ap.add_argument("--points", type=Path, help="candidates: a results JSON's rows")
     args = ap.parse_args()
+    if args.kind == "varlen_bwd" and args.points is None:
+        ap.error("--kind varlen_bwd needs --points (a search's results JSON)")
 
     lengths, source = parse_seqlens(args.seqlens)
-    w = VarlenWorkload(lengths, heads=args.heads, kv_heads=args.kv_heads,
-                       head_dim=args.head_dim, causal=not args.full, dtype=args.dtype,
-                       source=source)
+    cls = VarlenBackwardWorkload if args.kind == "varlen_bwd" else VarlenWorkload
+    w = cls(lengths, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+            causal=not args.full, dtype=args.dtype, source=source)
     worker = GpuWorker(w, 0)
     info = worker.info
     arch = arch_of_capability(*info.capability)
-    domain = Domain(default_spaces("varlen"), w, arch)
-    cands = [domain.candidate(f, p) for f, p in points(domain, args.limit)]
+    domain = Domain(default_spaces(args.kind), w, arch)
+    cands = [domain.candidate(f, p) for f, p in points(domain, args.limit, args.points)]
     print(f"{w.key()}: {w.batch} sequences, {w.total_q} query rows (longest {w.max_seqlen_q}), "
           f"{w.flops() / 1e12:.3f} useful TFLOP; {len(cands)} candidates on {info.name}",
           flush=True)
     timed, invalid = [], []
     for cand, compiled in zip(cands, compile_many(cands, arch), strict=True):
-        if not compiled.ok or compiled.spill_bytes:
+        if not compiled.ok or (compiled.spill_bytes and args.kind == "varlen"):
             invalid.append({"params": cand.params, "reason": compiled.error or "spills"})
             continue
         r = worker.evaluate(cand, compiled)
@@ -127,7 +142,7 @@ def main() -> None:
     anchors = {"sdpa_cudnn_padded_us": final.get("cudnn_padded"),
                "sdpa_flash_padded_us": final.get("flash_padded"), "fa4_us": final.get("fa4")}
     row = {
-        "kind": "varlen", "workload": w.key(), "seqlens": [list(x) for x in w.seqlens],
+        "kind": w.kind, "workload": w.key(), "seqlens": [list(x) for x in w.seqlens],
         "heads": w.heads, "kv_heads": w.kv_heads, "head_dim": w.head_dim, "causal": w.causal,
         "dtype": w.dtype, "family": cand.family, "ours_us": ours, "spread_us": t["spread_us"],
         **anchors,
@@ -145,6 +160,8 @@ def main() -> None:
                f"padded {flash or float('nan'):.1f} us (x{(flash or 0) / ours:.2f})"
                + (f", FA4 varlen {fa4:.1f} us (x{fa4 / ours:.3f}: FA4's time over ours)" if fa4
                   else ", FA4 not timed"))
+    if args.kind == "varlen_bwd":
+        summary = "backward: " + summary
     print(summary)
     if args.json:
         sources = RETIME_WORKLOADS.get(args.head_dim, RETIME_WORKLOADS[128])
@@ -153,8 +170,9 @@ def main() -> None:
                      f"candidates re-timed {args.rounds} rounds interleaved with the anchors "
                      "(medians over rounds)",
                      versions=info.versions, summary=summary,
-                     candidates=f"{RETIME_POINTS.name} ({', '.join(sources)}), "
-                                "SCHEDULER expanded, compiled with VARLEN",
+                     candidates=(f"the rows of {args.points}" if args.points else
+                                 f"{RETIME_POINTS.name} ({', '.join(sources)}), "
+                                 "SCHEDULER expanded") + ", compiled with VARLEN",
                      rows=[row])
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
 
