@@ -20,6 +20,14 @@ current stream; the first and last are one source for every backward family
 - ``attn_bwd_post(dQacc, dQpart, dQ, seq_q, seq_k, heads, dq_sb, dq_sh, dq_ss, scale)`` on
   (ceil(seq_q * head_dim / 8 / 256), heads, batch) blocks of 256 threads: dQ to fp16/bf16,
   scaled, the parts summed in key order.
+
+A kernel with a group split (wgmma_bwd's GROUP_SPLIT s > 1) runs ``attn_bwd`` on (key blocks,
+kv_heads x s, batch) blocks, block (kv head h, split j) taking its share of h's query heads,
+and gets, in place of dK and dV, an fp32 workspace of s shares each, [batch, kv_heads x s, seq_k,
+head_dim] with those strides (in floats); a fourth kernel, ``attn_bwd_kv_post(dKpart, dVpart,
+dK, dV, seq_k, splits, part_sb, part_sh, part_split, <dK, dV strides>)`` on (ceil(seq_k *
+head_dim / 8 / 256), kv_heads, batch) blocks of 256 threads, adds each row's shares in split
+order into dK and dV.
 """
 
 from __future__ import annotations
@@ -59,6 +67,8 @@ BWD_MAIN_ARGS = ParamBuffer("Q" * 10 + "i" * 5 + "q" * 18 + "ff")
 BWD_MAIN_TMA_ARGS = ParamBuffer("MM" + "Q" * 10 + "i" * 5 + "q" * 18 + "ff")
 LOADERS = ("cp_async", "tma")  # wgmma_bwd's LOADER; mma_bwd's kernels are all cp_async
 BWD_POST_ARGS = ParamBuffer("QQQ" + "iii" + "qqq" + "f")
+BWD_KV_POST = "attn_bwd_kv_post"  # the fourth kernel, of kernels with a group split
+BWD_KV_POST_ARGS = ParamBuffer("QQQQ" + "ii" + "qqq" + "q" * 6)
 
 
 
@@ -81,7 +91,7 @@ class CudaBackward:
                  arch: str | None = None, cubin: bytes | None = None,
                  source: str | None = None,
                  defines: Mapping[str, int] | None = None, loader: str = "cp_async",
-                 swizzle: int | None = None) -> None:
+                 swizzle: int | None = None, group_split: int = 1) -> None:
         if dq_accum not in ("atomic", "separate"):
             raise ValueError(f"kernel {name}: dq_accum must be 'atomic' or 'separate', "
                              f"got {dq_accum!r}")
@@ -103,6 +113,12 @@ class CudaBackward:
                                tma=tma, **common)
         self.post = CudaKernel(f"{name}:{post}", threads=POST_THREADS, smem_bytes=0,
                                entry=post, **common)
+        if isinstance(group_split, bool) or not isinstance(group_split, int) or group_split < 1:
+            raise ValueError(f"kernel {name}: group_split must be a positive int, got "
+                             f"{group_split!r}")
+        self.group_split = group_split
+        self.kv_post = (CudaKernel(f"{name}:{BWD_KV_POST}", threads=POST_THREADS, smem_bytes=0,
+                                   entry=BWD_KV_POST, **common) if group_split > 1 else None)
         self.name, self.arch, self.cubin, self.source = name, arch, cubin, source
         self.head_dim, self.dtype, self.causal = self.main.head_dim, dtype, self.main.causal
         self.block_m, self.block_n = self.main.block_m, int(block_n)
@@ -120,7 +136,8 @@ class CudaBackward:
                     block_n=int(params["BLOCK_N"]), threads=int(spec["threads"]),
                     smem_bytes=int(spec["smem_bytes"]), dq_accum=str(params["DQ_ACCUM"]),
                     defines=spec.get("defines"), loader=loader,
-                    swizzle=int(params["SWIZZLE"]) if loader == "tma" else None)
+                    swizzle=int(params["SWIZZLE"]) if loader == "tma" else None,
+                    group_split=int(params.get("GROUP_SPLIT", 1)))
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], arch: str | None, *, cubin: bytes | None,
@@ -134,8 +151,47 @@ class CudaBackward:
     def load(self, index: int) -> None:
         """Load the three kernels on CUDA device ``index`` (once each); raises
         ``NoKernelError`` where they cannot run."""
-        for kernel in (self.pre, self.main, self.post):
+        for kernel in self.kernels():
             kernel.load(index)
+
+    def kernels(self) -> tuple[CudaKernel, ...]:
+        """The entries a launch runs, in order (the fourth only with a group split)."""
+        return (self.pre, self.main, self.post, *((self.kv_post,) if self.kv_post else ()))
+
+    def split_outputs(self, dk: Tensor, dv: Tensor, rows: int, batch: int,
+                      ) -> tuple[Tensor | None, list[int], list[int]]:
+        """Where the main kernel writes dK and dV: ``dk``'s and ``dv``'s pointers and strides
+        (batch, head, row), or, with a group split, an fp32 workspace of the splits' shares
+        ``[2, batch, kv_heads x splits, rows, head_dim]`` (ragged: batch 1, rows total_k) with
+        its strides in floats. Returns (workspace or None, pointers, strides)."""
+        if self.kv_post is None:
+            return None, [dk.data_ptr(), dv.data_ptr()], [*dk.stride()[:3], *dv.stride()[:3]]
+        hkv, d = dk.shape[-2] if dk.dim() == 3 else dk.shape[1], dk.shape[-1]
+        parts = torch.empty((2, batch, hkv * self.group_split, rows, d), dtype=torch.float32,
+                            device=dk.device)
+        sb, sh, ss = parts.stride()[1:4]
+        return parts, [parts[0].data_ptr(), parts[1].data_ptr()], [sb, sh, ss] * 2
+
+    def launch_kv_post(self, parts: Tensor, dk: Tensor, dv: Tensor, seq_k: int, batch: int,
+                       stream: int, index: int, ragged: tuple[int, ...] = (),
+                       strides: tuple[list[int], list[int]] | None = None) -> None:
+        """The fourth kernel: the splits' shares in ``parts`` added into dK and dV (``strides``:
+        theirs as the kernel takes them, default their own batch, head and row strides)."""
+        assert self.kv_post is not None
+        loaded = self.kv_post.load(index)
+        _, b, hs, rows, d = parts.shape
+        hkv = hs // self.group_split
+        sb, sh, ss = parts.stride()[1:4]
+        dks, dvs = strides or (list(dk.stride()[:3]), list(dv.stride()[:3]))
+        codes = BWD_KV_POST_ARGS.codes + ("QQi" if ragged else "")
+        if ragged:  # one "batch" of packed rows: each sequence's from its first key row
+            sb = 0
+        args = ParamBuffer(codes).pack(parts[0].data_ptr(), parts[1].data_ptr(), dk.data_ptr(),
+                                       dv.data_ptr(), seq_k, self.group_split, sb,
+                                       sh * self.group_split, sh, *dks, *dvs, *ragged)
+        launch_in_context(loaded, (loaded.fn, -(-seq_k * (d // 8) // POST_THREADS), hkv, batch,
+                                   POST_THREADS, 1, 1, 0, stream, ctypes.addressof(args[1]),
+                                   0))
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  dout: Tensor, *, causal: bool, scale: float | None = None,
@@ -191,9 +247,10 @@ class CudaBackward:
                                  *out.stride()[:3], *dout.stride()[:3])
         launch_in_context(pre, (pre.fn, -(-seq_q_pad // PRE_ROWS), h, b, PRE_THREADS, 1, 1,
                                  0, stream, ctypes.addressof(args[1]), 0))
-        strides = [s for t in (q, k, v, dout, dk, dv) for s in t.stride()[:3]]
+        shares, (dk_ptr, dv_ptr), out_strides = self.split_outputs(dk, dv, sk, b)
+        strides = [s for t in (q, k, v, dout) for s in t.stride()[:3]] + out_strides
         main_args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse2.data_ptr(),
-                     delta.data_ptr(), acc_ptr, part_ptr, dk.data_ptr(), dv.data_ptr(), sq, sk,
+                     delta.data_ptr(), acc_ptr, part_ptr, dk_ptr, dv_ptr, sq, sk,
                      h, h // hkv, seq_q_pad, *strides, scale, scale * LOG2E)
         if self.loader == "tma":
             q_tma, dout_tma = tma_operand(q), tma_operand(dout)
@@ -203,14 +260,17 @@ class CudaBackward:
         else:
             q_tma = dout_tma = None
             args = BWD_MAIN_ARGS.pack(*main_args)
-        launch_in_context(main, (main.fn, n_blocks, hkv, b, self.main.threads, 1, 1,
-                                  self.main.smem_bytes, stream, ctypes.addressof(args[1]), 0))
+        launch_in_context(main, (main.fn, n_blocks, hkv * self.group_split, b, self.main.threads,
+                                  1, 1, self.main.smem_bytes, stream, ctypes.addressof(args[1]),
+                                  0))
+        if shares is not None:
+            self.launch_kv_post(shares, dk, dv, sk, b, stream, index)
         args = BWD_POST_ARGS.pack(acc_ptr, part_ptr, dq.data_ptr(), sq, sk, h,
                                   *dq.stride()[:3], scale)
         chunks = sq * (d // 8)
         launch_in_context(post, (post.fn, -(-chunks // POST_THREADS), h, b, POST_THREADS, 1, 1,
                                   0, stream, ctypes.addressof(args[1]), 0))
-        del rows, acc, part, q_tma, dout_tma  # only now: every launch has read their addresses
+        del rows, acc, part, q_tma, dout_tma, shares  # only now: every launch has read them
 
 
 def tma_operand(t: Tensor) -> Tensor:

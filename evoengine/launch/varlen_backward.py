@@ -139,11 +139,17 @@ class CudaVarlenBackward(CudaBackward):
         pre_rows = -(-max_seqlen_q // bm) * bm
         launch_in_context(pre, (pre.fn, -(-pre_rows // PRE_ROWS), h, batch, PRE_THREADS, 1, 1,
                                  0, stream, ctypes.addressof(args[1]), 0))
-        strides = [s for t in (q, k, v, dout, dk, dv) for s in (0, t.stride(1), t.stride(0))]
+        # A group split's shares: [kv_heads x splits, total_k, head_dim] per gradient.
+        shares, (dk_ptr, dv_ptr), out_strides = self.split_outputs(dk, dv, total_k, 1)
+        if shares is None:
+            out_strides = [s for t in (dk, dv) for s in (0, t.stride(1), t.stride(0))]
+        else:
+            out_strides = [0, *out_strides[1:3]] * 2
+        strides = [s for t in (q, k, v, dout) for s in (0, t.stride(1), t.stride(0))]
         main_args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(),
-                     lse2.data_ptr(), delta.data_ptr(), acc_ptr, part_ptr, dk.data_ptr(),
-                     dv.data_ptr(), max_seqlen_q, max_seqlen_k, h, h // hkv, seq_q_pad,
-                     *strides, scale, scale * LOG2E, *ragged)
+                     lse2.data_ptr(), delta.data_ptr(), acc_ptr, part_ptr, dk_ptr, dv_ptr,
+                     max_seqlen_q, max_seqlen_k, h, h // hkv, seq_q_pad, *strides,
+                     *out_strides, scale, scale * LOG2E, *ragged)
         if self.loader == "tma":  # maps over [1, heads, total, head_dim]: rows by sequence
             q_tma = tma_operand(q.unsqueeze(0).transpose(1, 2))
             dout_tma = tma_operand(dout.unsqueeze(0).transpose(1, 2))
@@ -153,15 +159,20 @@ class CudaVarlenBackward(CudaBackward):
         else:
             q_tma = dout_tma = None
             args = VARLEN_BWD_MAIN_ARGS.pack(*main_args)
-        launch_in_context(main, (main.fn, n_blocks, hkv, batch, self.main.threads, 1, 1,
-                                  self.main.smem_bytes, stream, ctypes.addressof(args[1]), 0))
+        launch_in_context(main, (main.fn, n_blocks, hkv * self.group_split, batch,
+                                  self.main.threads, 1, 1, self.main.smem_bytes, stream,
+                                  ctypes.addressof(args[1]), 0))
+        if shares is not None:
+            packed = ([0, dk.stride(1), dk.stride(0)], [0, dv.stride(1), dv.stride(0)])
+            self.launch_kv_post(shares, dk, dv, max_seqlen_k, batch, stream, index, ragged,
+                                packed)
         args = VARLEN_BWD_POST_ARGS.pack(acc_ptr, part_ptr, dq.data_ptr(), max_seqlen_q,
                                          max_seqlen_k, h, 0, dq.stride(1), dq.stride(0), scale,
                                          *ragged)
         chunks = max_seqlen_q * (d // 8)
         launch_in_context(post, (post.fn, -(-chunks // POST_THREADS), h, batch, POST_THREADS,
                                   1, 1, 0, stream, ctypes.addressof(args[1]), 0))
-        del rows, acc, part, q_tma, dout_tma  # only now: every launch has read them
+        del rows, acc, part, q_tma, dout_tma, shares  # only now: every launch has read them
 
 
 class _KernelGradients(torch.autograd.Function):

@@ -184,3 +184,52 @@ attn_bwd_post(const float* __restrict__ dQacc, const float* __restrict__ dQpart,
   out.w = pack2<IS_BF16>(x[6] * scale, x[7] * scale);
   *reinterpret_cast<uint4*>(dQ + batch * dq_sb + head * dq_sh + row * dq_ss + col) = out;
 }
+
+// A family that deals a group's query heads to several blocks (wgmma_bwd's GROUP_SPLIT) has
+// each store its fp32 share of dK (scaled) and dV; this kernel adds a key row's shares in split
+// order and stores dK and dV in fp16/bf16. The shares of (batch, kv head, split) start at
+// batch * part_sb + kv_head * part_sh + split * part_split floats (ragged: plus the sequence's
+// first key row), HEAD_DIM floats a row; one 8-value chunk per thread, as attn_bwd_post.
+extern "C" __global__ void __launch_bounds__(cfg::POST_THREADS)
+attn_bwd_kv_post(const float* __restrict__ dKpart, const float* __restrict__ dVpart,
+                 elem_t* __restrict__ dK, elem_t* __restrict__ dV, int seq_k, int splits,
+                 long long part_sb, long long part_sh, long long part_split, long long dk_sb,
+                 long long dk_sh, long long dk_ss, long long dv_sb, long long dv_sh,
+                 long long dv_ss/*% if VARLEN is defined and VARLEN %*/,
+                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                 int total_q/*% endif %*/) {
+  using namespace cfg;
+  constexpr int CHUNKS = HEAD_DIM / 8;
+  const int kv_head = blockIdx.y, batch = blockIdx.z;
+  const int c = blockIdx.x * POST_THREADS + threadIdx.x;
+  long long first = 0;  // the sequence's first key row (ragged)
+/*% if VARLEN is defined and VARLEN %*/
+  {
+    const Seq s = varlen_seq(cu_seqlens_q, cu_seqlens_k, batch);
+    seq_k = s.seq_k;
+    first = s.k0;
+  }
+/*% endif %*/
+  if (c >= seq_k * CHUNKS) return;
+  const int row = c / CHUNKS, col = (c % CHUNKS) * 8;
+  const long long at = batch * part_sb + kv_head * part_sh + (first + row) * HEAD_DIM + col;
+  float k[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int s = 0; s < splits; ++s) {
+    const float4* pk = reinterpret_cast<const float4*>(dKpart + at + s * part_split);
+    const float4* pv = reinterpret_cast<const float4*>(dVpart + at + s * part_split);
+    const float4 k0 = pk[0], k1 = pk[1], v0 = pv[0], v1 = pv[1];
+    k[0] += k0.x, k[1] += k0.y, k[2] += k0.z, k[3] += k0.w;
+    k[4] += k1.x, k[5] += k1.y, k[6] += k1.z, k[7] += k1.w;
+    v[0] += v0.x, v[1] += v0.y, v[2] += v0.z, v[3] += v0.w;
+    v[4] += v1.x, v[5] += v1.y, v[6] += v1.z, v[7] += v1.w;
+  }
+  uint4 ko, vo;
+  ko.x = pack2<IS_BF16>(k[0], k[1]), ko.y = pack2<IS_BF16>(k[2], k[3]);
+  ko.z = pack2<IS_BF16>(k[4], k[5]), ko.w = pack2<IS_BF16>(k[6], k[7]);
+  vo.x = pack2<IS_BF16>(v[0], v[1]), vo.y = pack2<IS_BF16>(v[2], v[3]);
+  vo.z = pack2<IS_BF16>(v[4], v[5]), vo.w = pack2<IS_BF16>(v[6], v[7]);
+  const long long key = first + row;
+  *reinterpret_cast<uint4*>(dK + batch * dk_sb + kv_head * dk_sh + key * dk_ss + col) = ko;
+  *reinterpret_cast<uint4*>(dV + batch * dv_sb + kv_head * dv_sh + key * dv_ss + col) = vo;
+}

@@ -134,6 +134,20 @@ POINTS = {
              LOADER="tma", STEP_ORDER="dv_dq_dk"),
         dict(BLOCK_N=64, BLOCK_M=64, STAGES=3, SWIZZLE=64, DQ_ACCUM="separate", LOADER="tma",
              STEP_ORDER="dv_dq_dk"),
+        # GROUP_SPLIT: a group's query heads dealt to 2, 4 or 8 blocks, their fp32 shares of
+        # dK and dV added by attn_bwd_kv_post (shapes with groups of 1, 2, 4 and 6: splits with
+        # one head, several, and none): the d128 winner's tile with two splits (p36), the dQ
+        # warp with four (p37), one warpgroup on the cp.async ring with eight and the
+        # deterministic parts (p38), dQ^T with four (p39).
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", STEP_ORDER="dv_dq_dk",
+             GROUP_SPLIT=2),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_BUFFERS=1, GROUP_SPLIT=4),
+        dict(BLOCK_N=64, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="separate", GROUP_SPLIT=8),
+        dict(BLOCK_N=128, BLOCK_M=80, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_TRANSPOSED=True,
+             GROUP_SPLIT=4),
     ],
 }
 # The STEP_ORDER points above and a head dim each admits them at: each is run next to its twin
@@ -199,6 +213,10 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     *(("wgmma_bwd", 33, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
     *(("wgmma_bwd", 34, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
     ("wgmma_bwd", 35, _problem(64, "fp16", True)), ("wgmma_bwd", 35, _problem(128, "bf16", False)),
+    *(("wgmma_bwd", 36, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    *(("wgmma_bwd", 37, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    *(("wgmma_bwd", 38, pr) for pr in PROBLEMS),
+    ("wgmma_bwd", 39, _problem(128, "fp16", True)), ("wgmma_bwd", 39, _problem(128, "bf16", False)),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
@@ -349,7 +367,8 @@ def inputs(shape: tuple, dtype: torch.dtype, causal: bool, seed: int = 0,
     ("wgmma_bwd", 6, False), ("wgmma_bwd", 10, True), ("wgmma_bwd", 11, False),
     ("wgmma_bwd", 12, True), ("wgmma_bwd", 15, True), ("wgmma_bwd", 16, True),
     ("wgmma_bwd", 21, False), ("wgmma_bwd", 25, True), ("wgmma_bwd", 24, True),
-    ("wgmma_bwd", 29, False), ("wgmma_bwd", 30, True)])
+    ("wgmma_bwd", 29, False), ("wgmma_bwd", 30, True), ("wgmma_bwd", 38, False),
+    ("wgmma_bwd", 38, True)])
 def test_deterministic_results_are_bit_identical(family: str, point: int,
                                                  deterministic: bool) -> None:
     skip_unless_targeted(family)
