@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--kind", choices=("varlen", "varlen_bwd"), default="varlen")
     ap.add_argument("--points", type=Path, help="candidates: a results JSON's rows")
+    ap.add_argument("--untested", action="store_true",
+                    help="admit the spaces' [untested] values (GPU tests, A/B runs)")
     args = ap.parse_args()
     if args.kind == "varlen_bwd" and args.points is None:
         ap.error("--kind varlen_bwd needs --points (a search's results JSON)")
@@ -115,7 +117,8 @@ def main() -> None:
     worker = GpuWorker(w, 0)
     info = worker.info
     arch = arch_of_capability(*info.capability)
-    domain = Domain(default_spaces(args.kind), w, arch)
+    spaces = default_spaces(args.kind)
+    domain = Domain([s.with_untested() for s in spaces] if args.untested else spaces, w, arch)
     cands = [domain.candidate(f, p) for f, p in points(domain, args.limit, args.points)]
     print(f"{w.key()}: {w.batch} sequences, {w.total_q} query rows (longest {w.max_seqlen_q}), "
           f"{w.flops() / 1e12:.3f} useful TFLOP; {len(cands)} candidates on {info.name}",
