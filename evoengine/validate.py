@@ -68,6 +68,27 @@ class Verdict:
         return self.ok
 
 
+def seeded_generator(device: str, seed: int | None) -> tuple[torch.Generator, int]:
+    """A generator on ``device`` seeded with ``seed``, or with a fresh one drawn here (named in
+    a failure's reason, so that the inputs can be made again)."""
+    import torch
+
+    gen = torch.Generator(device=device)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    gen.manual_seed(seed)
+    return gen, seed
+
+
+def cumulative(seqlens: tuple[tuple[int, int], ...]) -> tuple[list[int], list[int]]:
+    """cu_seqlens_q and cu_seqlens_k of (len_q, len_k) pairs, from 0."""
+    cq, ck = [0], [0]
+    for lq, lk in seqlens:
+        cq.append(cq[-1] + lq)
+        ck.append(ck[-1] + lk)
+    return cq, ck
+
+
 def causal_mask(seq_q: int, seq_k: int, device: torch.device | str) -> torch.Tensor:
     """True where query i may attend key j (bottom-right aligned)."""
     import torch
@@ -157,10 +178,7 @@ def check(fn: AttentionFn, *, batch: int, heads: int, kv_heads: int, seq_q: int,
     """
     import torch
 
-    gen = torch.Generator(device=device)
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    gen.manual_seed(seed)
+    gen, seed = seeded_generator(device, seed)
 
     def make(h: int, s: int) -> torch.Tensor:
         shape = (batch, s, h, head_dim) if layout == "bshd" else (batch, h, s, head_dim)
@@ -258,10 +276,7 @@ def check_backward(fn: BackwardFn, *, batch: int, heads: int, kv_heads: int, seq
     """
     import torch
 
-    gen = torch.Generator(device=device)
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    gen.manual_seed(seed)
+    gen, seed = seeded_generator(device, seed)
 
     def storage(h: int, s: int, fill: float | None = None) -> torch.Tensor:
         shape = (batch, s, h, head_dim) if layout == "bshd" else (batch, h, s, head_dim)
@@ -435,14 +450,8 @@ def check_varlen(fn: VarlenFn, *, seqlens: tuple[tuple[int, int], ...], heads: i
     """
     import torch
 
-    gen = torch.Generator(device=device)
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    gen.manual_seed(seed)
-    cq, ck = [0], [0]
-    for lq, lk in seqlens:
-        cq.append(cq[-1] + lq)
-        ck.append(ck[-1] + lk)
+    gen, seed = seeded_generator(device, seed)
+    cq, ck = cumulative(seqlens)
 
     def make(rows: int, width: int) -> torch.Tensor:
         return torch.randn((rows, width, head_dim), generator=gen, device=device,
@@ -544,14 +553,8 @@ def check_varlen_backward(fn: BackwardFn, *, seqlens: tuple[tuple[int, int], ...
     """
     import torch
 
-    gen = torch.Generator(device=device)
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    gen.manual_seed(seed)
-    cq, ck = [0], [0]
-    for lq, lk in seqlens:
-        cq.append(cq[-1] + lq)
-        ck.append(ck[-1] + lk)
+    gen, seed = seeded_generator(device, seed)
+    cq, ck = cumulative(seqlens)
 
     def packed(fill: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         widths = (heads, kv_heads, kv_heads)
@@ -740,10 +743,7 @@ def check_decode(fn: DecodeFn, *, lengths: list[int], capacity: int, q_len: int,
 
     from evoengine.launch.decode import sdpa_decode
 
-    gen = torch.Generator(device=device)
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    gen.manual_seed(seed)
+    gen, seed = seeded_generator(device, seed)
     batch = len(lengths)
     q = torch.randn((batch, q_len, heads, head_dim), generator=gen, device=device,
                     dtype=torch.float32).to(dtype)
