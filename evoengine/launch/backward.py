@@ -69,6 +69,8 @@ LOADERS = ("cp_async", "tma")  # wgmma_bwd's LOADER; mma_bwd's kernels are all c
 BWD_POST_ARGS = ParamBuffer("QQQ" + "iii" + "qqq" + "f")
 BWD_KV_POST = "attn_bwd_kv_post"  # the fourth kernel, of kernels with a group split
 BWD_KV_POST_ARGS = ParamBuffer("QQQQ" + "ii" + "qqq" + "q" * 6)
+# ... compiled with VARLEN: then cu_seqlens_q, cu_seqlens_k, total_q (launch/varlen_backward.py)
+BWD_KV_POST_RAGGED_ARGS = ParamBuffer(BWD_KV_POST_ARGS.codes + "QQi")
 
 
 
@@ -149,8 +151,8 @@ class CudaBackward:
         return f"CudaBackward({self.name!r})"
 
     def load(self, index: int) -> None:
-        """Load the three kernels on CUDA device ``index`` (once each); raises
-        ``NoKernelError`` where they cannot run."""
+        """Load the kernels on CUDA device ``index`` (once each); raises ``NoKernelError``
+        where they cannot run."""
         for kernel in self.kernels():
             kernel.load(index)
 
@@ -183,12 +185,12 @@ class CudaBackward:
         hkv = hs // self.group_split
         sb, sh, ss = parts.stride()[1:4]
         dks, dvs = strides or (list(dk.stride()[:3]), list(dv.stride()[:3]))
-        codes = BWD_KV_POST_ARGS.codes + ("QQi" if ragged else "")
         if ragged:  # one "batch" of packed rows: each sequence's from its first key row
             sb = 0
-        args = ParamBuffer(codes).pack(parts[0].data_ptr(), parts[1].data_ptr(), dk.data_ptr(),
-                                       dv.data_ptr(), seq_k, self.group_split, sb,
-                                       sh * self.group_split, sh, *dks, *dvs, *ragged)
+        buffer = BWD_KV_POST_RAGGED_ARGS if ragged else BWD_KV_POST_ARGS
+        args = buffer.pack(parts[0].data_ptr(), parts[1].data_ptr(), dk.data_ptr(),
+                           dv.data_ptr(), seq_k, self.group_split, sb, sh * self.group_split, sh,
+                           *dks, *dvs, *ragged)
         launch_in_context(loaded, (loaded.fn, -(-seq_k * (d // 8) // POST_THREADS), hkv, batch,
                                    POST_THREADS, 1, 1, 0, stream, ctypes.addressof(args[1]),
                                    0))
@@ -221,7 +223,7 @@ class CudaBackward:
     def launch(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                dq: Tensor, dk: Tensor, dv: Tensor, *, scale: float,
                deterministic: bool) -> None:
-        """Launch the three kernels on torch's current stream, without checks."""
+        """Launch the kernels on torch's current stream, without checks."""
         b, h, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
         index = q.get_device()

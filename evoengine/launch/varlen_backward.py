@@ -104,7 +104,7 @@ class CudaVarlenBackward(CudaBackward):
                lse: Tensor, dout: Tensor, cu_q: Tensor, cu_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, dq: Tensor, dk: Tensor, dv: Tensor, *, scale: float,
                deterministic: bool) -> None:
-        """Launch the three kernels on torch's current stream, without checks."""
+        """Launch the kernels on torch's current stream, without checks."""
         total_q, h, d = q.shape
         total_k, hkv = k.shape[0], k.shape[1]
         if total_q == 0 or total_k == 0:  # no (query, key) pair anywhere: every gradient 0
