@@ -15,7 +15,8 @@ when the modules are joined into one namespace, so top-level names must not coll
 - ``forward``: ``CudaKernel``, the forward (its docstring holds the kernels' ABI);
 - ``varlen``: ``CudaVarlenKernel``, the forward on ragged batches (packed q, k, v with
   cu_seqlens), its input checks and its SDPA fallback;
-- ``backward``: ``CudaBackward``, the backward's three kernels (their ABI);
+- ``backward``: ``CudaBackward``, the backward's three kernels (four with a group split;
+  their ABI);
 - ``varlen_backward``: ``CudaVarlenBackward``, the backward on ragged batches, and the
   autograd function that gives a varlen forward these kernels' gradients;
 - ``decode``: ``CudaDecode``, decode over a contiguous or paged KV cache (its two kernels'

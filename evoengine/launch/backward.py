@@ -1,4 +1,4 @@
-"""The backward kernel's launcher: ``CudaBackward``, three kernels of one cubin.
+"""The backward kernel's launcher: ``CudaBackward``, three (or four) kernels of one cubin.
 
 Backward ABI (mma_bwd, wgmma_bwd): three kernels of one cubin, launched in order on torch's
 current stream; the first and last are one source for every backward family

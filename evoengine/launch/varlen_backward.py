@@ -2,14 +2,14 @@
 VARLEN, launched on packed tensors with cu_seqlens, and the autograd function that gives a
 varlen forward kernel's output these kernels' gradients (``with_kernel_gradients``).
 
-Varlen backward ABI (mma_bwd, wgmma_bwd with VARLEN): the three kernels of the backward ABI
-(``backward.py``), each taking ``cu_seqlens_q, cu_seqlens_k`` (int32*) and ``total_q``
-(int32) after its own arguments; a TMA kernel's tensor maps of Q and dO span the packed
+Varlen backward ABI (mma_bwd, wgmma_bwd with VARLEN): the kernels of the backward ABI
+(``backward.py``, the group split's fourth too), each taking ``cu_seqlens_q, cu_seqlens_k``
+(int32*) and ``total_q`` (int32) after its own arguments. q, k, v, out, dout, dq, dk, dv are
+passed with batch strides of 0 and their packed [total, heads, head_dim] strides as the head
+and row strides; ``seq_q`` and ``seq_k`` are the longest lengths (the grids span them; each
+block reads its sequence's own). A TMA kernel's tensor maps of Q and dO span the packed
 tensors seen as [1, heads, total, head_dim] (the kernel offsets each sequence's row
-coordinate); q, k, v, out, dout, dq, dk, dv are passed with batch
-strides of 0 and their packed [total, heads, head_dim] strides as the head and row strides,
-``seq_q`` and ``seq_k`` are the longest lengths (the grids span them; each block reads its
-sequence's own). The forward's log-sum-exp is float32 [heads, total_q] (the varlen forward's);
+coordinate). The forward's log-sum-exp is float32 [heads, total_q] (the varlen forward's);
 the fp32 dQ workspace is [heads, total_q, head_dim] (parts: [key blocks, heads, total_q,
 head_dim]); LSE2 and DELTA are [heads, seq_q_pad] with seq_q_pad = total_q + batch (block_m +
 4) rounded up to 4, each sequence's rows padded to whole query blocks from its own start
