@@ -42,6 +42,8 @@ SOURCES = [
     ("sm_90a", "retimed", "2026-11-24-h100-wgmma-retime-fa4.json"),
     ("sm_90a", "retimed", "2026-11-25-h100-varlen-pack-gqa.json"),
     ("sm_90a", "retimed", "2026-11-25-h100-varlen-all-points.json"),
+    ("sm_90a", "retimed", "2026-11-29-h200-varlen-bwd-fa4-d128.json"),
+    ("sm_90a", "retimed", "2026-11-29-h200-varlen-bwd-fa4-d64-mqa.json"),
     ("sm_90a", "bwd_points", "2026-11-27-h100-bwd-step-order.json"),
     ("sm_90a", "bwd_points", "2026-11-27-h100-bwd-step-order-fp16.json"),
     ("sm_90a", "bwd_points", "2026-11-25-h100-train-step-fa4.json"),
@@ -79,7 +81,7 @@ def _problem(row: dict[str, Any], kind: str) -> dict[str, Any]:
     if kind == "decode":
         return {"HEAD_DIM": head_dim, "DTYPE": row["dtype"], "PAGED": row["layout"] == "paged"}
     problem = {"HEAD_DIM": head_dim, "DTYPE": row["dtype"], "CAUSAL": bool(row["causal"])}
-    return {**problem, "VARLEN": True} if kind == "varlen" else problem
+    return {**problem, "VARLEN": True} if kind in ("varlen", "varlen_bwd") else problem
 
 
 def _workload(row: dict[str, Any], kind: str) -> str:
@@ -93,7 +95,8 @@ def _workload(row: dict[str, Any], kind: str) -> str:
 
 
 def retimed(row: dict[str, Any], arch: Arch) -> Iterator[Prior]:
-    """A forward or ragged-prefill re-time row: its re-timed points, fastest first."""
+    """A forward, ragged-prefill or ragged-backward re-time row: its re-timed points, fastest
+    first."""
     kind = row.get("kind", "fwd")
     for t in sorted(row["retimed"], key=lambda t: t["median_us"])[:KEEP]:
         yield {"kind": kind, "family": row["family"], "problem": _problem(row, kind),
