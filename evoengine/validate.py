@@ -557,20 +557,18 @@ def check_varlen_backward(fn: BackwardFn, *, seqlens: tuple[tuple[int, int], ...
     cq, ck = cumulative(seqlens)
 
     def packed(fill: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        widths = (heads, kv_heads, kv_heads)
+        """q-, k- and v-shaped packed tensors: random (``fill`` None) or filled."""
+        def make(rows: int, width: int) -> torch.Tensor:
+            if fill is None:
+                return torch.randn((rows, width, head_dim), generator=gen,
+                                   device=device).to(dtype)
+            return torch.full((rows, width, head_dim), fill, device=device, dtype=dtype)
+
         if strided:  # one [rows, H + 2 KV, D] tensor; its row count the longer side's
-            rows = max(cq[-1], ck[-1])
-            shape = (rows, heads + 2 * kv_heads, head_dim)
-            whole = (torch.randn(shape, generator=gen, device=device).to(dtype) if fill is None
-                     else torch.full(shape, fill, device=device, dtype=dtype))
+            whole = make(max(cq[-1], ck[-1]), heads + 2 * kv_heads)
             return (whole[:cq[-1], :heads], whole[:ck[-1], heads:heads + kv_heads],
                     whole[:ck[-1], heads + kv_heads:])
-        out = []
-        for rows, width in zip((cq[-1], ck[-1], ck[-1]), widths, strict=True):
-            shape = (rows, width, head_dim)
-            out.append(torch.randn(shape, generator=gen, device=device).to(dtype)
-                       if fill is None else torch.full(shape, fill, device=device, dtype=dtype))
-        return out[0], out[1], out[2]
+        return make(cq[-1], heads), make(ck[-1], kv_heads), make(ck[-1], kv_heads)
 
     q, k, v = packed(None)
     dout = torch.randn(q.shape, generator=gen, device=device).to(dtype)

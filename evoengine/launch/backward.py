@@ -160,40 +160,42 @@ class CudaBackward:
         """The entries a launch runs, in order (the fourth only with a group split)."""
         return (self.pre, self.main, self.post, *((self.kv_post,) if self.kv_post else ()))
 
-    def split_outputs(self, dk: Tensor, dv: Tensor, rows: int, batch: int,
-                      ) -> tuple[Tensor | None, list[int], list[int]]:
-        """Where the main kernel writes dK and dV: ``dk``'s and ``dv``'s pointers and strides
-        (batch, head, row), or, with a group split, an fp32 workspace of the splits' shares
-        ``[2, batch, kv_heads x splits, rows, head_dim]`` (ragged: batch 1, rows total_k) with
-        its strides in floats. Returns (workspace or None, pointers, strides)."""
+    def split_outputs(self, dk: Tensor, dv: Tensor, rows: int, batch: int, strides: list[int],
+                      ragged: bool = False) -> tuple[Tensor | None, list[int], list[int]]:
+        """Where the main kernel writes dK and dV: their pointers and ``strides`` (dK's then
+        dV's batch, head and row strides, as the kernel takes them), or, with a group split,
+        an fp32 workspace of the splits' shares ``[2, batch, kv_heads x splits, rows,
+        head_dim]`` (``ragged``: batch 1, rows total_k, and a batch stride of 0: the kernel's
+        batch index is the sequence) with its strides in floats. Returns (workspace or None,
+        pointers, strides)."""
         if self.kv_post is None:
-            return None, [dk.data_ptr(), dv.data_ptr()], [*dk.stride()[:3], *dv.stride()[:3]]
-        hkv, d = dk.shape[-2] if dk.dim() == 3 else dk.shape[1], dk.shape[-1]
+            return None, [dk.data_ptr(), dv.data_ptr()], strides
+        hkv, d = dk.shape[-2], dk.shape[-1]  # [B, KV, S, D] or packed [total, KV, D]
+        if dk.dim() == 4:
+            hkv = dk.shape[1]
         parts = torch.empty((2, batch, hkv * self.group_split, rows, d), dtype=torch.float32,
                             device=dk.device)
         sb, sh, ss = parts.stride()[1:4]
-        return parts, [parts[0].data_ptr(), parts[1].data_ptr()], [sb, sh, ss] * 2
+        pointers = [parts[0].data_ptr(), parts[1].data_ptr()]
+        return parts, pointers, [0 if ragged else sb, sh, ss] * 2
 
     def launch_kv_post(self, parts: Tensor, dk: Tensor, dv: Tensor, seq_k: int, batch: int,
-                       stream: int, index: int, ragged: tuple[int, ...] = (),
-                       strides: tuple[list[int], list[int]] | None = None) -> None:
+                       stream: int, index: int, strides: list[int],
+                       ragged: tuple[int, ...] = ()) -> None:
         """The fourth kernel: the splits' shares in ``parts`` added into dK and dV (``strides``:
-        theirs as the kernel takes them, default their own batch, head and row strides)."""
+        theirs as the main kernel would have taken them; ``ragged``: cu_seqlens_q,
+        cu_seqlens_k and total_q, each sequence's shares from its first key row)."""
         assert self.kv_post is not None
         loaded = self.kv_post.load(index)
-        _, b, hs, rows, d = parts.shape
-        hkv = hs // self.group_split
-        sb, sh, ss = parts.stride()[1:4]
-        dks, dvs = strides or (list(dk.stride()[:3]), list(dv.stride()[:3]))
-        if ragged:  # one "batch" of packed rows: each sequence's from its first key row
-            sb = 0
+        hkv = parts.shape[2] // self.group_split
+        sb, sh = (0 if ragged else parts.stride(1)), parts.stride(2)
         buffer = BWD_KV_POST_RAGGED_ARGS if ragged else BWD_KV_POST_ARGS
         args = buffer.pack(parts[0].data_ptr(), parts[1].data_ptr(), dk.data_ptr(),
                            dv.data_ptr(), seq_k, self.group_split, sb, sh * self.group_split, sh,
-                           *dks, *dvs, *ragged)
-        launch_in_context(loaded, (loaded.fn, -(-seq_k * (d // 8) // POST_THREADS), hkv, batch,
-                                   POST_THREADS, 1, 1, 0, stream, ctypes.addressof(args[1]),
-                                   0))
+                           *strides, *ragged)
+        chunks = seq_k * (dk.shape[-1] // 8)
+        launch_in_context(loaded, (loaded.fn, -(-chunks // POST_THREADS), hkv, batch,
+                                   POST_THREADS, 1, 1, 0, stream, ctypes.addressof(args[1]), 0))
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  dout: Tensor, *, causal: bool, scale: float | None = None,
@@ -249,7 +251,8 @@ class CudaBackward:
                                  *out.stride()[:3], *dout.stride()[:3])
         launch_in_context(pre, (pre.fn, -(-seq_q_pad // PRE_ROWS), h, b, PRE_THREADS, 1, 1,
                                  0, stream, ctypes.addressof(args[1]), 0))
-        shares, (dk_ptr, dv_ptr), out_strides = self.split_outputs(dk, dv, sk, b)
+        grad_strides = [*dk.stride()[:3], *dv.stride()[:3]]
+        shares, (dk_ptr, dv_ptr), out_strides = self.split_outputs(dk, dv, sk, b, grad_strides)
         strides = [s for t in (q, k, v, dout) for s in t.stride()[:3]] + out_strides
         main_args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse2.data_ptr(),
                      delta.data_ptr(), acc_ptr, part_ptr, dk_ptr, dv_ptr, sq, sk,
@@ -266,7 +269,7 @@ class CudaBackward:
                                   1, 1, self.main.smem_bytes, stream, ctypes.addressof(args[1]),
                                   0))
         if shares is not None:
-            self.launch_kv_post(shares, dk, dv, sk, b, stream, index)
+            self.launch_kv_post(shares, dk, dv, sk, b, stream, index, grad_strides)
         args = BWD_POST_ARGS.pack(acc_ptr, part_ptr, dq.data_ptr(), sq, sk, h,
                                   *dq.stride()[:3], scale)
         chunks = sq * (d // 8)

@@ -140,11 +140,9 @@ class CudaVarlenBackward(CudaBackward):
         launch_in_context(pre, (pre.fn, -(-pre_rows // PRE_ROWS), h, batch, PRE_THREADS, 1, 1,
                                  0, stream, ctypes.addressof(args[1]), 0))
         # A group split's shares: [kv_heads x splits, total_k, head_dim] per gradient.
-        shares, (dk_ptr, dv_ptr), out_strides = self.split_outputs(dk, dv, total_k, 1)
-        if shares is None:
-            out_strides = [s for t in (dk, dv) for s in (0, t.stride(1), t.stride(0))]
-        else:
-            out_strides = [0, *out_strides[1:3]] * 2
+        grad_strides = [s for t in (dk, dv) for s in (0, t.stride(1), t.stride(0))]
+        shares, (dk_ptr, dv_ptr), out_strides = self.split_outputs(dk, dv, total_k, 1,
+                                                                   grad_strides, ragged=True)
         strides = [s for t in (q, k, v, dout) for s in (0, t.stride(1), t.stride(0))]
         main_args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(),
                      lse2.data_ptr(), delta.data_ptr(), acc_ptr, part_ptr, dk_ptr, dv_ptr,
@@ -163,9 +161,8 @@ class CudaVarlenBackward(CudaBackward):
                                   self.main.threads, 1, 1, self.main.smem_bytes, stream,
                                   ctypes.addressof(args[1]), 0))
         if shares is not None:
-            packed = ([0, dk.stride(1), dk.stride(0)], [0, dv.stride(1), dv.stride(0)])
-            self.launch_kv_post(shares, dk, dv, max_seqlen_k, batch, stream, index, ragged,
-                                packed)
+            self.launch_kv_post(shares, dk, dv, max_seqlen_k, batch, stream, index,
+                                grad_strides, ragged)
         args = VARLEN_BWD_POST_ARGS.pack(acc_ptr, part_ptr, dq.data_ptr(), max_seqlen_q,
                                          max_seqlen_k, h, 0, dq.stride(1), dq.stride(0), scale,
                                          *ragged)

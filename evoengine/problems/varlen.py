@@ -379,15 +379,8 @@ def padded_inputs(workload: VarlenWorkload, packed: tuple[Any, ...]) -> tuple[An
 
     w = workload
     q, k, v = packed[:3]
-    b, mq, mk = w.batch, w.max_seqlen_q, w.max_seqlen_k
-    qp = q.new_zeros(b, mq, w.heads, w.head_dim)
-    kp = k.new_zeros(b, mk, w.kv_heads, w.head_dim)
-    vp = torch.zeros_like(kp)
+    mq, mk = w.max_seqlen_q, w.max_seqlen_k
     cq, ck = w.cu_seqlens()
-    for i, (lq, lk) in enumerate(w.seqlens):
-        qp[i, :lq] = q[cq[i]:cq[i + 1]]
-        kp[i, :lk] = k[ck[i]:ck[i + 1]]
-        vp[i, :lk] = v[ck[i]:ck[i + 1]]
     mask = None
     if not padded_without_mask(w):
         lq = torch.tensor([x for x, _ in w.seqlens], device=q.device)[:, None, None]
@@ -398,7 +391,16 @@ def padded_inputs(workload: VarlenWorkload, packed: tuple[Any, ...]) -> tuple[An
         if w.causal:
             mask = mask & (cols <= rows + (lk - lq))
         mask = mask[:, None]
-    return qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), mask
+    return padded(q, cq, mq), padded(k, ck, mk), padded(v, ck, mk), mask
+
+
+def padded(x: Any, cu: list[int], longest: int) -> Any:
+    """Packed rows ``x`` [total, H, D] of the sequences ``cu`` delimits, as [B, H, longest,
+    D] (a view of [B, longest, H, D]), zeros past each sequence's length."""
+    out = x.new_zeros(len(cu) - 1, longest, *x.shape[1:])
+    for i in range(len(cu) - 1):
+        out[i, :cu[i + 1] - cu[i]] = x[cu[i]:cu[i + 1]]
+    return out.transpose(1, 2)
 
 
 def padded_without_mask(w: VarlenWorkload) -> bool:

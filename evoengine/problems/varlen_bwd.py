@@ -25,6 +25,7 @@ from evoengine.problems.varlen import (
     Varlen,
     VarlenWorkload,
     fa4_varlen,
+    padded,
     padded_inputs,
 )
 
@@ -170,9 +171,10 @@ class VarlenBackward(Varlen):
         else:
             gqa = w.kv_heads != w.heads
             forwards = []
+            cq = w.cu_seqlens()[0]
             for s in sets:
                 qp, kp, vp, mask = padded_inputs(w, s)
-                dout = padded_inputs(w, (s[7], s[1], s[2]))[0]  # dO padded like q
+                dout = padded(s[7], cq, w.max_seqlen_q)  # dO padded like q
 
                 def sdpa(q: Any, k: Any, v: Any, mask: Any = mask) -> Any:
                     if mask is None:
