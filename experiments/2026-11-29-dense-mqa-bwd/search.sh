@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Dense backward searches with GROUP_SPLIT admitted, next to FlashAttention-4's backward (its
+# final re-time has FA4 as an anchor when flash_attn.cute imports). Run on the device after
+# the FA4 install (README.md here); writes one JSON per workload under $OUT.
+set -u
+py() { python3 -c 'import site,sys,runpy; site.addsitedir("/tmp/fa4site"); sys.argv=["evoengine"]+sys.argv[1:]; runpy.run_module("evoengine", run_name="__main__")' "$@"; }
+T=${T:-100s}
+for w in "mqa-d64 --shape 8,16,2048,64 --kv-heads 1" "gqa-d128 --shape 4,32,4096,128 --kv-heads 8"; do
+  set -- $w; name=$1; shift
+  py search --kind bwd "$@" --causal --dtype fp16 --timeout "$T" --seed 7 \
+     --store sqlite:////tmp/evo-bwd.db --json "$OUT/$name.json" 2>&1 | tail -12
+done
