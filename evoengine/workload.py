@@ -59,9 +59,19 @@ class Workload:
 
     @classmethod
     def parse_spec(cls, spec: str, **kw: object) -> Workload:
-        """Build from ``"B,H,S,D"`` or ``"B,H,S,D,causal"``, as the benchmarks list them."""
+        """Build from ``"B,H,S,D"`` with optional ``kvN`` (key/value heads) and ``causal``
+        after it, as the benchmarks list them: ``"8,16,2048,64,kv1,causal"``."""
         parts = spec.split(",")
-        return cls.parse(",".join(parts[:4]), causal=parts[4:] == ["causal"], **kw)
+        extra: dict[str, object] = {}
+        for part in parts[4:]:
+            if part == "causal":
+                extra["causal"] = True
+            elif re.fullmatch(r"kv\d+", part):
+                extra["kv_heads"] = int(part[2:])
+            else:
+                raise ValueError(f"workload {spec!r}: {part!r} is neither 'causal' nor kvN "
+                                 "(key/value heads)")
+        return cls.parse(",".join(parts[:4]), **extra, **kw)
 
     @classmethod
     def from_key(cls, key: str) -> Workload:

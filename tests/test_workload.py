@@ -151,5 +151,9 @@ def test_parse_spec_reads_the_benchmarks_workload_lists() -> None:
     assert Workload.parse_spec("2,32,8192,128") == Workload(2, 32, 8192, 128)
     assert Workload.parse_spec("16,16,2048,64,causal", dtype="bf16") == Workload(
         16, 16, 2048, 64, causal=True, dtype="bf16")
+    assert Workload.parse_spec("8,16,2048,64,kv1,causal") == Workload(
+        8, 16, 2048, 64, kv_heads=1, causal=True)
     with pytest.raises(ValueError, match="B,H,S,D"):
         Workload.parse_spec("16,16,2048")
+    with pytest.raises(ValueError, match="neither 'causal' nor kvN"):
+        Workload.parse_spec("16,16,2048,64,casual")
