@@ -5,8 +5,18 @@
 set -u
 py() { python3 -c 'import site,sys,runpy; site.addsitedir("/tmp/fa4site"); sys.argv=["evoengine"]+sys.argv[1:]; runpy.run_module("evoengine", run_name="__main__")' "$@"; }
 T=${T:-100s}
-for w in "mqa-d64 --shape 8,16,2048,64 --kv-heads 1" "gqa-d128 --shape 4,32,4096,128 --kv-heads 8"; do
+[ "${VARLEN:-0}" = 1 ] || for w in "mqa-d64 --shape 8,16,2048,64 --kv-heads 1" "gqa-d128 --shape 4,32,4096,128 --kv-heads 8"; do
   set -- $w; name=$1; shift
   py search --kind bwd "$@" --causal --dtype fp16 --timeout "$T" --seed 7 \
      --store sqlite:////tmp/evo-bwd.db --json "$OUT/$name.json" 2>&1 | tail -12
 done
+# The ragged d64 MQA batch, searched with the split admitted (no --untested), then re-timed
+# next to FA4's varlen backward: VARLEN=1 bash search.sh
+if [ "${VARLEN:-0}" = 1 ]; then
+  py search --kind varlen_bwd --seqlens random:32:64:2048:1 --heads 16 --kv-heads 1 --head-dim 64 \
+     --causal --dtype fp16 --timeout "$T" --seed 7 --store sqlite:////tmp/evo-vbwd.db \
+     --json "$OUT/varlen-search.json" 2>&1 | tail -8
+  python3 -c 'import site,sys,runpy; site.addsitedir("/tmp/fa4site"); sys.argv=["benchmarks/varlen_bench.py"]+sys.argv[1:]; runpy.run_path("benchmarks/varlen_bench.py", run_name="__main__")' \
+     --kind varlen_bwd --seqlens random:32:64:2048:1 --heads 16 --kv-heads 1 --head-dim 64 \
+     --points "$OUT/varlen-search.json" --keep 3 --rounds 3 --json "$OUT/varlen-fa4.json" 2>&1 | tail -8
+fi
