@@ -45,6 +45,7 @@ SOURCES = [
     ("sm_90a", "retimed", "2026-11-29-h200-varlen-bwd-fa4-d128.json"),
     ("sm_90a", "retimed", "2026-11-29-h200-varlen-bwd-fa4-d64-mqa.json"),
     ("sm_90a", "retimed", "2026-11-29-h200-varlen-bwd-fa4-d64-mqa-group-split.json"),
+    ("sm_90a", "retimed", "2026-11-29-h200-varlen-bwd-fa4-d64-mqa-split-search.json"),
     ("sm_90a", "bwd_points", "2026-11-27-h100-bwd-step-order.json"),
     ("sm_90a", "bwd_points", "2026-11-27-h100-bwd-step-order-fp16.json"),
     ("sm_90a", "bwd_points", "2026-11-25-h100-train-step-fa4.json"),
