@@ -215,7 +215,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", nargs="*", default=WORKLOADS, metavar="B,H,S,D[,causal]")
+    ap.add_argument("--workloads", nargs="*", default=WORKLOADS,
+                    metavar="B,H,S,D[,kvN][,causal]")
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--points", type=Path, required=True,
                     help='JSON {"fwd"|"bwd": {"B,H,S,D[,causal]"|"*": [{family, params}]}}')

@@ -130,6 +130,37 @@ def test_wgmma_bwd_spread_points_compile_to_hgmma_without_spills(cache: Path) ->
         assert "LDL" not in ops and "STL" not in ops, c.identity
 
 
+def test_wgmma_bwd_64_key_tma_points_compile_without_spills(cache: Path) -> None:
+    """The slice where spills were found (one consumer warpgroup at 256 registers, the bulk dQ
+    path, a TMA ring; docs/NOTES.md, fourteenth session): the points its constraints leave,
+    sampled across head dims, step orders and splits, compile with no spill; and the surveys'
+    spilling points stay out."""
+    import itertools
+    import random
+
+    sp, target = space("wgmma_bwd"), get_arch("sm_90a")
+    spilled = [{**WARP_POINT, "BLOCK_N": 64, "DQ_BUFFERS": 1, "STAGES": 2,
+                "STEP_ORDER": "dv_dq_dk"},
+               {**WARP_POINT, "BLOCK_N": 64, "DQ_WRITER": "consumer", "DQ_BUFFERS": 1,
+                "DQ_LAYOUT": "fragment", "STEP_ORDER": "dv_dq_dk"},
+               {**WARP_POINT, "BLOCK_N": 64, "DQ_LAYOUT": "fragment", "STEP_ORDER": "dv_dq_dk",
+                "GROUP_SPLIT": 4},
+               {**WARP_POINT, "BLOCK_N": 64, "STAGES": 1, "DQ_BUFFERS": 1, "GROUP_SPLIT": 8}]
+    for point in spilled:  # each kept out by a spill constraint alone
+        why = sp.violations(point, TMA_PROBLEM, target)
+        assert len(why) == 1 and "spill" in why[0], (point, why)
+    rng, cands = random.Random(14), []
+    for head_dim, order in itertools.product((64, 128), ("dv_dk_dq", "dv_dq_dk")):
+        problem = dict(HEAD_DIM=head_dim, DTYPE="fp16", CAUSAL=order == "dv_dq_dk")
+        admitted = [p for p in (dict(zip(sp.parameters, v, strict=True))
+                                for v in itertools.product(*sp.parameters.values()))
+                    if p["BLOCK_N"] == 64 and p["LOADER"] == "tma" and p["DQ_REDUCE"] == "bulk"
+                    and p["STEP_ORDER"] == order and not sp.violations(p, problem, target)]
+        cands += [make_candidate(sp, p, problem, target) for p in rng.sample(admitted, 2)]
+    for c, r in zip(cands, compile_many(cands, target, workers=2), strict=True):
+        assert r.ok and r.spill_bytes == 0 and r.stack_bytes == 0, f"{c.identity} spills: {r}"
+
+
 def test_wgmma_bwd_space_targets_sm90a_and_says_why() -> None:
     sp = space("wgmma_bwd")
     assert sp.kind == "bwd" and sp.archs == ("sm_90a",)
