@@ -27,7 +27,7 @@ from evoengine.space import SearchSpace, spread
 
 F16 = torch.float16
 POINT = dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="atomic",
-             KV_IN_REGS=False)
+             KV_IN_REGS=False, GROUP_SPLIT=1)
 PROBLEM = dict(HEAD_DIM=64, DTYPE="fp16", CAUSAL=True)
 WGMMA_POINT = dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
                    DQ_REDUCE="bulk", REFILL="dq", LOADER="cp_async", DQ_WRITER="consumer",

@@ -385,7 +385,7 @@ def test_resource_report_covers_every_kernel_of_a_cubin() -> None:
     target = get_arch("sm_80")
     c = make_candidate(space("mma_bwd"), dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2,
                                               SWIZZLE="xor", DQ_ACCUM="atomic",
-                                              KV_IN_REGS=False), HD64, target)
+                                              KV_IN_REGS=False, GROUP_SPLIT=1), HD64, target)
     r = compile_source(render(c), target, c.defines(target))
     assert r.ok, r.error
     regs = [int(n) for n in re.findall(r"Used (\d+) registers", r.log)]

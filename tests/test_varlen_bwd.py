@@ -24,9 +24,9 @@ from tests.test_validate import no_cuda, python_backward
 
 ISSUE = "random:16:128:4096:0"
 POINTS = {64: dict(BLOCK_M=64, BLOCK_N=128, NUM_WARPS=8, STAGES=2, SWIZZLE="xor",
-                   DQ_ACCUM="atomic", KV_IN_REGS=False),
+                   DQ_ACCUM="atomic", KV_IN_REGS=False, GROUP_SPLIT=1),
           128: dict(BLOCK_M=32, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor",
-                    DQ_ACCUM="separate", KV_IN_REGS=False)}
+                    DQ_ACCUM="separate", KV_IN_REGS=False, GROUP_SPLIT=1)}
 
 
 def issue_workload(**kw: object) -> VarlenBackwardWorkload:
@@ -91,6 +91,30 @@ def test_varlen_backward_kernels_compile_offline_without_spills(arch: str) -> No
     assert len(cands) == 8
     for cand, result in zip(cands, compile_many(cands, target), strict=True):
         assert result.ok, (cand.identity, result.error)
+        assert result.spill_bytes == 0, (cand.identity, result.spill_bytes)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
+def test_mma_group_split_points_compile_offline_without_spills(arch: str) -> None:
+    """mma_bwd's GROUP_SPLIT points of the GPU tests (dense and ragged), at each head dim the
+    space admits them, compile with the fourth kernel and no spill."""
+    from tests.gpu.test_backward import POINTS as BWD_POINTS
+    from tests.gpu.test_varlen_bwd import POINTS as RAGGED_POINTS
+
+    sp, target = space().with_untested(), get_arch(arch)
+    cands = []
+    for points, varlen in ((BWD_POINTS["mma_bwd"], False), (RAGGED_POINTS, True)):
+        for point in (sp.complete(p) for p in points):
+            for head_dim in (64, 128):
+                problem = dict(HEAD_DIM=head_dim, DTYPE="fp16", CAUSAL=varlen,
+                               **({"VARLEN": True} if varlen else {}))
+                if point["GROUP_SPLIT"] > 1 and not sp.violations(point, problem, target):
+                    cands.append(make_candidate(sp, point, problem, target))
+    assert len(cands) >= 4
+    for cand, result in zip(cands, compile_many(cands, target), strict=True):
+        assert result.ok, (cand.identity, result.error)
+        assert "constexpr int GROUP_SPLIT = 1;" not in render(cand)
+        assert "attn_bwd_kv_post" in result.log, cand.identity
         assert result.spill_bytes == 0, (cand.identity, result.spill_bytes)
 
 

@@ -5,7 +5,8 @@
 // values), BLOCK_N (keys per main-kernel block: the parts of dQ in deterministic mode) and
 // DQACC_FRAGMENT (dQacc in the wgmma family's fragment order: its DQ_LAYOUT) and
 // DQACC_TRANSPOSED (that order of its transposed dQ GEMM, DQ_TRANSPOSED); the parts of
-// deterministic mode are always in row order.
+// deterministic mode are always in row order; and GROUP_SPLIT (the blocks a key/value head's
+// group of query heads is dealt to: first_head, heads_here, and attn_bwd_kv_post's shares).
 //   attn_bwd_pre:  delta = rowsum(dO * O) and the log-sum-exp in the log2 domain, per query row,
 //                  padded to whole query blocks; zeroes the fp32 dQ accumulator when atomics
 //                  build it.
@@ -52,6 +53,19 @@ __device__ __forceinline__ Seq varlen_seq(const int* cu_q, const int* cu_k, int 
 __device__ __forceinline__ int first_query_block(int n_block, int diag) {
   if constexpr (!cfg::CAUSAL) return 0;
   return max(0, n_block * cfg::BLOCK_N - diag) / cfg::BLOCK_M;
+}
+
+// This block's query heads (blockIdx.y = kv head x GROUP_SPLIT + split): the first, and how
+// many (ceil(kv_group / GROUP_SPLIT) a split, the last split's fewer, or none).
+__device__ __forceinline__ int first_head(int kv_group) {
+  if constexpr (cfg::GROUP_SPLIT == 1) return blockIdx.y * kv_group;
+  const int share = (kv_group + cfg::GROUP_SPLIT - 1) / cfg::GROUP_SPLIT;
+  return (blockIdx.y / cfg::GROUP_SPLIT) * kv_group + (blockIdx.y % cfg::GROUP_SPLIT) * share;
+}
+__device__ __forceinline__ int heads_here(int kv_group) {
+  if constexpr (cfg::GROUP_SPLIT == 1) return kv_group;
+  const int share = (kv_group + cfg::GROUP_SPLIT - 1) / cfg::GROUP_SPLIT;
+  return max(0, min(share, kv_group - (int)(blockIdx.y % cfg::GROUP_SPLIT) * share));
 }
 
 extern "C" __global__ void __launch_bounds__(cfg::PRE_THREADS)

@@ -37,6 +37,15 @@ POINTS = {
              KV_IN_REGS=False),
         dict(BLOCK_M=64, BLOCK_N=128, NUM_WARPS=8, STAGES=2, SWIZZLE="pad", DQ_ACCUM="atomic",
              KV_IN_REGS=True),
+        # GROUP_SPLIT ([untested]): a group's query heads dealt to 2, 4 or 8 blocks, their fp32
+        # shares of dK and dV added by attn_bwd_kv_post (on the shapes' groups of 1, 3, 4 and
+        # 6: splits with one head, several, and none); p6 with the deterministic parts.
+        dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="atomic",
+             KV_IN_REGS=False, GROUP_SPLIT=2),
+        dict(BLOCK_M=32, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="separate",
+             KV_IN_REGS=False, GROUP_SPLIT=4),
+        dict(BLOCK_M=32, BLOCK_N=128, NUM_WARPS=8, STAGES=3, SWIZZLE="none", DQ_ACCUM="atomic",
+             KV_IN_REGS=False, GROUP_SPLIT=8),
     ],
     # wgmma_bwd: one and two consumer warpgroups; dQ split by head dim (p0), by query rows
     # (p2) and whole (p1, p3, two m64 tiles); every swizzle and ring depth, both dQ paths.
