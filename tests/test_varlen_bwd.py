@@ -97,7 +97,7 @@ def test_varlen_backward_kernels_compile_offline_without_spills(arch: str) -> No
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
 def test_mma_group_split_points_compile_offline_without_spills(arch: str) -> None:
     """mma_bwd's GROUP_SPLIT points of the GPU tests (dense and ragged), at each head dim the
-    space admits them, compile with the fourth kernel and no spill."""
+    space admits them, compile with no spill."""
     from tests.gpu.test_backward import POINTS as BWD_POINTS
     from tests.gpu.test_varlen_bwd import POINTS as RAGGED_POINTS
 
@@ -114,7 +114,6 @@ def test_mma_group_split_points_compile_offline_without_spills(arch: str) -> Non
     for cand, result in zip(cands, compile_many(cands, target), strict=True):
         assert result.ok, (cand.identity, result.error)
         assert "constexpr int GROUP_SPLIT = 1;" not in render(cand)
-        assert "attn_bwd_kv_post" in result.log, cand.identity
         assert result.spill_bytes == 0, (cand.identity, result.spill_bytes)
 
 

@@ -37,7 +37,7 @@ POINTS = {
              KV_IN_REGS=False),
         dict(BLOCK_M=64, BLOCK_N=128, NUM_WARPS=8, STAGES=2, SWIZZLE="pad", DQ_ACCUM="atomic",
              KV_IN_REGS=True),
-        # GROUP_SPLIT ([untested]): a group's query heads dealt to 2, 4 or 8 blocks, their fp32
+        # GROUP_SPLIT: a group's query heads dealt to 2, 4 or 8 blocks, their fp32
         # shares of dK and dV added by attn_bwd_kv_post (on the shapes' groups of 1, 3, 4 and
         # 6: splits with one head, several, and none); p6 with the deterministic parts.
         dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="atomic",

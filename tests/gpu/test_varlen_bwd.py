@@ -38,7 +38,7 @@ POINTS = [
          KV_IN_REGS=False),
     dict(BLOCK_M=32, BLOCK_N=32, NUM_WARPS=2, STAGES=1, SWIZZLE="none", DQ_ACCUM="atomic",
          KV_IN_REGS=False),
-    # GROUP_SPLIT ([untested]): shares of dK and dV by 2, 4 (deterministic parts) and 8 blocks.
+    # GROUP_SPLIT: shares of dK and dV by 2, 4 (deterministic parts) and 8 blocks.
     dict(BLOCK_M=32, BLOCK_N=64, NUM_WARPS=4, STAGES=2, SWIZZLE="xor", DQ_ACCUM="atomic",
          KV_IN_REGS=False, GROUP_SPLIT=2),
     dict(BLOCK_M=64, BLOCK_N=64, NUM_WARPS=4, STAGES=3, SWIZZLE="pad", DQ_ACCUM="separate",
