@@ -160,7 +160,8 @@ class CudaBackward:
         """The entries a launch runs, in order (the fourth only with a group split)."""
         return (self.pre, self.main, self.post, *((self.kv_post,) if self.kv_post else ()))
 
-    def split_outputs(self, dk: Tensor, dv: Tensor, rows: int, batch: int, strides: list[int],
+    def split_outputs(self, dk: Tensor, dv: Tensor, kv_heads: int, rows: int, batch: int,
+                      strides: list[int],
                       ragged: bool = False) -> tuple[Tensor | None, list[int], list[int]]:
         """Where the main kernel writes dK and dV: their pointers and ``strides`` (dK's then
         dV's batch, head and row strides, as the kernel takes them), or, with a group split,
@@ -170,11 +171,8 @@ class CudaBackward:
         pointers, strides)."""
         if self.kv_post is None:
             return None, [dk.data_ptr(), dv.data_ptr()], strides
-        hkv, d = dk.shape[-2], dk.shape[-1]  # [B, KV, S, D] or packed [total, KV, D]
-        if dk.dim() == 4:
-            hkv = dk.shape[1]
-        parts = torch.empty((2, batch, hkv * self.group_split, rows, d), dtype=torch.float32,
-                            device=dk.device)
+        parts = torch.empty((2, batch, kv_heads * self.group_split, rows, dk.shape[-1]),
+                            dtype=torch.float32, device=dk.device)
         sb, sh, ss = parts.stride()[1:4]
         pointers = [parts[0].data_ptr(), parts[1].data_ptr()]
         return parts, pointers, [0 if ragged else sb, sh, ss] * 2
@@ -252,7 +250,8 @@ class CudaBackward:
         launch_in_context(pre, (pre.fn, -(-seq_q_pad // PRE_ROWS), h, b, PRE_THREADS, 1, 1,
                                  0, stream, ctypes.addressof(args[1]), 0))
         grad_strides = [*dk.stride()[:3], *dv.stride()[:3]]
-        shares, (dk_ptr, dv_ptr), out_strides = self.split_outputs(dk, dv, sk, b, grad_strides)
+        shares, (dk_ptr, dv_ptr), out_strides = self.split_outputs(dk, dv, hkv, sk, b,
+                                                                   grad_strides)
         strides = [s for t in (q, k, v, dout) for s in t.stride()[:3]] + out_strides
         main_args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse2.data_ptr(),
                      delta.data_ptr(), acc_ptr, part_ptr, dk_ptr, dv_ptr, sq, sk,

@@ -141,7 +141,7 @@ class CudaVarlenBackward(CudaBackward):
                                  0, stream, ctypes.addressof(args[1]), 0))
         # A group split's shares: [kv_heads x splits, total_k, head_dim] per gradient.
         grad_strides = [s for t in (dk, dv) for s in (0, t.stride(1), t.stride(0))]
-        shares, (dk_ptr, dv_ptr), out_strides = self.split_outputs(dk, dv, total_k, 1,
+        shares, (dk_ptr, dv_ptr), out_strides = self.split_outputs(dk, dv, hkv, total_k, 1,
                                                                    grad_strides, ragged=True)
         strides = [s for t in (q, k, v, dout) for s in (0, t.stride(1), t.stride(0))]
         main_args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(),

@@ -158,11 +158,9 @@ class VarlenWorkload:
 
     def cu_seqlens(self) -> tuple[list[int], list[int]]:
         """cu_seqlens_q and cu_seqlens_k as lists (batch + 1 entries, from 0)."""
-        cq, ck = [0], [0]
-        for q, k in self.seqlens:
-            cq.append(cq[-1] + q)
-            ck.append(ck[-1] + k)
-        return cq, ck
+        from evoengine.validate import cumulative
+
+        return cumulative(self.seqlens)
 
     # ---- the Workload contract -------------------------------------------------------------
 
