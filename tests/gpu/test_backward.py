@@ -157,14 +157,6 @@ POINTS = {
         dict(BLOCK_N=128, BLOCK_M=80, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_TRANSPOSED=True,
              GROUP_SPLIT=4),
-        # DQ_DRAIN = "read" ([untested]): the block's last bulk dQ reduction waited for only
-        # until it has read its shared source; by the consumer (p40: the d64 MQA winner's tile)
-        # and by the dQ warp with two buffers (p41).
-        dict(BLOCK_N=128, BLOCK_M=128, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
-             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_DRAIN="read"),
-        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
-             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_BUFFERS=2,
-             STEP_ORDER="dv_dq_dk", DQ_DRAIN="read"),
     ],
 }
 # The STEP_ORDER points above and a head dim each admits them at: each is run next to its twin
@@ -234,8 +226,6 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     *(("wgmma_bwd", 37, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
     *(("wgmma_bwd", 38, pr) for pr in PROBLEMS),
     ("wgmma_bwd", 39, _problem(128, "fp16", True)), ("wgmma_bwd", 39, _problem(128, "bf16", False)),
-    *(("wgmma_bwd", 40, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
-    *(("wgmma_bwd", 41, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
