@@ -147,7 +147,7 @@ def main() -> None:
                 continue
             params = domain.spaces[entry["family"]].complete(entry["params"])
             cand = domain.candidate(entry["family"], params)
-            compiled = compile_many([cand], arch)[0]
+            compiled = next(iter(compile_many([cand], arch)))
             kernel = worker.problem.load(cand, compiled)
             contenders = {"ours": worker.problem.timed_call(kernel, bw, worker.sets)}
             for a in args.anchors.split(","):
