@@ -47,11 +47,9 @@ def profile(call: Any, n_sets: int) -> dict[str, Any]:
     for i in range(WARM):
         call(i % n_sets)
     torch.cuda.synchronize()
-    marks = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for i in range(CALLS):
             torch.cuda.synchronize()
-            marks.append(i)
             call(i % n_sets)
             torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events()
@@ -62,22 +60,14 @@ def profile(call: Any, n_sets: int) -> dict[str, Any]:
     for e in kernels:
         total[e.name] += e.time_range.end - e.time_range.start
         count[e.name] += 1
-    # Calls are separated by a synchronize: a gap of more than 200 us starts a new call.
-    spans, idles, start, end, busy = [], [], None, None, 0.0
-    for e in kernels:
-        s, t = e.time_range.start, e.time_range.end
-        if end is not None and s - end > 200:
-            spans.append(end - start)
-            idles.append(end - start - busy)
-            start, busy = None, 0.0
-        if start is None:
-            start, end = s, t
-        else:
-            end = max(end, t)
-        busy += t - s
-    if start is not None:
-        spans.append(end - start)
-        idles.append(end - start - busy)
+    # Every call launches the same kernels, in order: chunks of len(kernels) / CALLS.
+    per = len(kernels) // CALLS
+    spans, idles = [], []
+    for c in range(CALLS if per and per * CALLS == len(kernels) else 0):
+        chunk = kernels[c * per:(c + 1) * per]
+        span = max(e.time_range.end for e in chunk) - chunk[0].time_range.start
+        spans.append(span)
+        idles.append(span - sum(e.time_range.end - e.time_range.start for e in chunk))
     return {"kernels": {k: {"us_per_call": round(total[k] / CALLS, 2),
                             "launches_per_call": count[k] / CALLS} for k in total},
             "kernel_us_per_call": round(sum(total.values()) / CALLS, 2),
@@ -95,21 +85,21 @@ def anchor_call(anchor: str, w: Workload, sets: list[tuple]) -> Any:
             return None
         forward = lambda q, k, v: measure.fa4_output(  # noqa: E731
             fn(*(x.transpose(1, 2) for x in (q, k, v)), causal=w.causal)).transpose(1, 2)
-        context: Any = contextlib.nullcontext()
+        context: Any = contextlib.nullcontext
     else:
         gqa = w.kv_heads != w.heads
         forward = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
             q, k, v, is_causal=w.causal, enable_gqa=gqa)
-        context = measure.sdpa_backend(anchor)
+        context = lambda: measure.sdpa_backend(anchor)  # noqa: E731
     graphs = []
-    with context:
+    with context():
         for q, k, v, _out, _lse, dout, *_ in sets:
             leaves = [x.detach().requires_grad_() for x in (q, k, v)]
             graphs.append((forward(*leaves), leaves, dout))
 
     def call(i: int) -> None:
         out, leaves, dout = graphs[i]
-        with context:
+        with context():
             torch.autograd.grad(out, leaves, dout, retain_graph=True)
     return call
 
