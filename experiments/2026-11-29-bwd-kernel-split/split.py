@@ -153,7 +153,8 @@ def main() -> None:
                 rows.append({"workload": text, "dtype": dtype, "contender": name,
                              "params": params if name == "ours" else None, **got})
                 print(f"{dtype} {text:28s} {name:6s} kernels {got['kernel_us_per_call']:8.1f} us"
-                      f"  span {got['span_us']:8.1f}  idle {got['idle_us']:6.1f}", flush=True)
+                      f"  span {got['span_us'] or 0:8.1f}  idle {got['idle_us'] or 0:6.1f}",
+                      flush=True)
                 for k, v in sorted(got["kernels"].items(), key=lambda kv: -kv[1]["us_per_call"]):
                     print(f"    {v['us_per_call']:8.1f} us  x{v['launches_per_call']:.0f}  "
                           f"{k[:110]}", flush=True)
