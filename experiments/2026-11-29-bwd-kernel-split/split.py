@@ -10,7 +10,12 @@ between its kernels.
 
 Ours is the first point the points file lists for the workload that the space admits (the
 format of benchmarks/train_step.py). torch.profiler's CUDA activity, 20 calls after 5
-untimed ones, input sets rotated past L2 as the search's timing does. Anchors through
+untimed ones, input sets rotated past L2 as the search's timing does. With ``--only NAME``
+one contender's calls run ``--calls`` times without the profiler, for ncu to attach to:
+
+    ncu --clock-control none -k regex:'attn_bwd$' -s 2 -c 1 --set full -o $OUT/ours \
+        python experiments/2026-11-29-bwd-kernel-split/split.py --points ... \
+        --workloads 16,16,2048,64,causal --only ours --calls 4 Anchors through
 torch.autograd.grad with the forward's graph kept (as train_step.py's backward rows). A
 diagnostic: the profiler adds host time between launches, so spans are not the benchmark's
 times and only kernel durations compare across contenders."""
@@ -116,6 +121,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16")
     ap.add_argument("--anchors", default="fa4,cudnn")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--only", help="run only this contender (ours or an anchor), no profiler")
+    ap.add_argument("--calls", type=int, default=4, help="with --only: calls to run")
     args = ap.parse_args()
     points = json.loads(args.points.read_text())["bwd"]
     spaces = [s.with_untested() for s in default_spaces(None)]
@@ -141,6 +148,8 @@ def main() -> None:
             kernel = worker.problem.load(cand, compiled)
             contenders = {"ours": worker.problem.timed_call(kernel, bw, worker.sets)}
             for a in args.anchors.split(","):
+                if args.only not in (None, a):
+                    continue
                 try:
                     c = anchor_call(a, bw, worker.sets)
                 except (RuntimeError, ValueError, TypeError) as e:
@@ -148,6 +157,11 @@ def main() -> None:
                     c = None
                 if c is not None:
                     contenders[a] = c
+            if args.only is not None:
+                for i in range(args.calls):
+                    contenders[args.only](i % len(worker.sets))
+                torch.cuda.synchronize()
+                continue
             for name, call in contenders.items():
                 got = profile(call, len(worker.sets))
                 rows.append({"workload": text, "dtype": dtype, "contender": name,
