@@ -121,7 +121,8 @@ def test_mma_group_split_points_compile_offline_without_spills(arch: str) -> Non
 # dQ writer and layout, the transposed dQ and the step order, each at a head dim it admits.
 WGMMA_POINTS = ((0, 64), (4, 128), (9, 128), (11, 64), (14, 128), (22, 128), (26, 128),
                 (28, 128), (29, 64), (31, 128), (33, 64), (35, 128), (36, 128), (37, 128),
-                (38, 64), (39, 128), (40, 64), (41, 128), (42, 64), (43, 128))
+                (38, 64), (39, 128), (40, 64), (41, 128), (42, 64), (43, 128),
+                (44, 64), (45, 64), (46, 128), (47, 128))
 
 
 def test_wgmma_varlen_backward_kernels_compile_offline() -> None:

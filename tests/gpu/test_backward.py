@@ -157,7 +157,7 @@ POINTS = {
         dict(BLOCK_N=128, BLOCK_M=80, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_TRANSPOSED=True,
              GROUP_SPLIT=4),
-        # DS_BUFFERS 2 ([untested]): dS double-buffered, no barrier atop a step: FA4's d64 tile
+        # DS_BUFFERS 2: dS double-buffered, no barrier atop a step: FA4's d64 tile
         # (128 x 128, two stages, the dQ warp, dv_dq_dk; p40), the d128 64-row step with two
         # dQ buffers (p41), deterministic parts on the TMA ring in the legacy order (p42), dQ^T
         # at 80 rows with a group split (p43).
@@ -172,6 +172,20 @@ POINTS = {
         dict(BLOCK_N=128, BLOCK_M=80, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
              DQ_TRANSPOSED=True, GROUP_SPLIT=4, DS_BUFFERS=2),
+        # DS_STORE "first" ([untested]): dS stored before dV is issued: the d64 winner (p44),
+        # FA4's d64 structure with two dS buffers (p45), the d128 GQA winner with a group split
+        # (p46), dQ^T at 80 rows with the dQ warp (p47).
+        dict(BLOCK_N=128, BLOCK_M=128, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DS_STORE="first"),
+        dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
+             STEP_ORDER="dv_dq_dk", DS_BUFFERS=2, DS_STORE="first"),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", STEP_ORDER="dv_dq_dk",
+             GROUP_SPLIT=2, DS_STORE="first"),
+        dict(BLOCK_N=128, BLOCK_M=80, STAGES=1, SWIZZLE=64, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
+             DQ_TRANSPOSED=True, DS_STORE="first"),
     ],
 }
 # The STEP_ORDER points above and a head dim each admits them at: each is run next to its twin
@@ -245,6 +259,10 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     *(("wgmma_bwd", 41, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
     *(("wgmma_bwd", 42, pr) for pr in PROBLEMS),
     ("wgmma_bwd", 43, _problem(128, "bf16", True)), ("wgmma_bwd", 43, _problem(128, "fp16", False)),
+    *(("wgmma_bwd", 44, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    *(("wgmma_bwd", 45, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    *(("wgmma_bwd", 46, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    ("wgmma_bwd", 47, _problem(128, "bf16", True)), ("wgmma_bwd", 47, _problem(128, "fp16", False)),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
