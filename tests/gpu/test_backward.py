@@ -172,7 +172,7 @@ POINTS = {
         dict(BLOCK_N=128, BLOCK_M=80, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
              DQ_TRANSPOSED=True, GROUP_SPLIT=4, DS_BUFFERS=2),
-        # DS_STORE "first" ([untested]): dS stored before dV is issued: the d64 winner (p44),
+        # DS_STORE "first": dS stored before dV is issued: the d64 winner (p44),
         # FA4's d64 structure with two dS buffers (p45), the d128 GQA winner with a group split
         # (p46), dQ^T at 80 rows with the dQ warp (p47).
         dict(BLOCK_N=128, BLOCK_M=128, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
