@@ -50,6 +50,8 @@ SOURCES = [
     ("sm_90a", "bwd_points", "2026-11-27-h100-bwd-step-order-fp16.json"),
     ("sm_90a", "bwd_points", "2026-11-25-h100-train-step-fa4.json"),
     ("sm_90a", "bwd_points", "2026-11-29-h200-bwd-split-ab.json"),
+    ("sm_90a", "bwd_points", "2026-11-29-h200-bwd-ds-buffers.json"),
+    ("sm_90a", "bwd_points", "2026-11-29-h200-bwd-ds-store.json"),
     ("sm_90a", "points_us", "2026-11-25-h100-decode-fused.json"),
     ("sm_90a", "points_us", "2026-11-25-h100-decode-q4-h64-bm32.json"),
     ("sm_90a", "points_us", "2026-11-27-h100-decode-q1-h64-paged.json"),
