@@ -186,19 +186,6 @@ POINTS = {
         dict(BLOCK_N=128, BLOCK_M=80, STAGES=1, SWIZZLE=64, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
              DQ_TRANSPOSED=True, DS_STORE="first"),
-        # DS_WITH_P ([untested]): dS's arithmetic beside P's exponentials in each mask arm:
-        # FA4's d64 structure (p48), the d64 winner (p49), the d128 GQA winner with a split
-        # (p50), dQ^T at 96 rows on one warpgroup, the cp.async ring, separate parts (p51).
-        dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
-             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
-             STEP_ORDER="dv_dq_dk", DS_BUFFERS=2, DS_STORE="first", DS_WITH_P=True),
-        dict(BLOCK_N=128, BLOCK_M=128, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
-             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DS_WITH_P=True),
-        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
-             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", STEP_ORDER="dv_dq_dk",
-             GROUP_SPLIT=2, DS_WITH_P=True),
-        dict(BLOCK_N=64, BLOCK_M=96, STAGES=2, SWIZZLE=32, DQ_ACCUM="separate",
-             DQ_TRANSPOSED=True, DS_WITH_P=True),
     ],
 }
 # The STEP_ORDER points above and a head dim each admits them at: each is run next to its twin
@@ -276,10 +263,6 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     *(("wgmma_bwd", 45, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
     *(("wgmma_bwd", 46, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
     ("wgmma_bwd", 47, _problem(128, "bf16", True)), ("wgmma_bwd", 47, _problem(128, "fp16", False)),
-    *(("wgmma_bwd", 48, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
-    *(("wgmma_bwd", 49, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
-    *(("wgmma_bwd", 50, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
-    ("wgmma_bwd", 51, _problem(64, "fp16", True)), ("wgmma_bwd", 51, _problem(64, "bf16", False)),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
