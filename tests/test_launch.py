@@ -367,6 +367,21 @@ def test_backward_spec_builds_the_backward_launcher() -> None:
         kernel_from_spec(spec(kind="prefill"), "sm_90a")
 
 
+def test_backward_spec_names_how_the_main_kernel_is_launched() -> None:
+    params = {"BLOCK_N": 128, "DQ_ACCUM": "atomic", "LOADER": "tma", "SWIZZLE": 128}
+    k = kernel_from_spec(spec(kind="bwd", name="wgmma_bwd-x", threads=384, smem_bytes=40960,
+                              params=params), "sm_90a")
+    assert k.main_launch == "stream"  # specs exported before MAIN_LAUNCH existed
+    k = kernel_from_spec(spec(kind="bwd", name="wgmma_bwd-y", threads=384, smem_bytes=40960,
+                              params={**params, "MAIN_LAUNCH": "programmatic"}), "sm_90a")
+    assert k.main_launch == "programmatic"
+    with pytest.raises(ValueError, match=r"^kernel b: main_launch must be one of \('stream', "
+                                         r"'programmatic'\), got 'graph'$"):
+        CudaBackward("b", head_dim=64, dtype="fp16", causal=True, block_m=64, block_n=64,
+                     threads=256, smem_bytes=0, dq_accum="atomic", source="//",
+                     main_launch="graph")
+
+
 def test_backward_entries_form_a_second_table() -> None:
     fwd = [kernel(), kernel(128, "bf16", True)]
     bwd = [backward_kernel(64, "fp16", False)]

@@ -41,12 +41,14 @@ from torch import Tensor
 
 from evoengine.launch.core import (
     LOG2E,
+    Loaded,
     ParamBuffer,
     check_grid,
     check_inputs,
     check_like,
     check_out,
     launch_in_context,
+    launch_programmatic_in_context,
     raw_stream,
     softmax_scale,
 )
@@ -66,6 +68,10 @@ BWD_PRE_ARGS = ParamBuffer("QQQQQQ" + "iii" + "q" * 6)
 BWD_MAIN_ARGS = ParamBuffer("Q" * 10 + "i" * 5 + "q" * 18 + "ff")
 BWD_MAIN_TMA_ARGS = ParamBuffer("MM" + "Q" * 10 + "i" * 5 + "q" * 18 + "ff")
 LOADERS = ("cp_async", "tma")  # wgmma_bwd's LOADER; mma_bwd's kernels are all cp_async
+# wgmma_bwd's MAIN_LAUNCH: the main kernel after the first in stream order, or as its
+# programmatic dependent (sm_90: it starts as the first one's blocks finish and waits for its
+# results by griddepcontrol.wait); mma_bwd's are all "stream".
+MAIN_LAUNCHES = ("stream", "programmatic")
 BWD_POST_ARGS = ParamBuffer("QQQ" + "iii" + "qqq" + "f")
 BWD_KV_POST = "attn_bwd_kv_post"  # the fourth kernel, of kernels with a group split
 BWD_KV_POST_ARGS = ParamBuffer("QQQQ" + "ii" + "qqq" + "q" * 6)
@@ -83,7 +89,9 @@ class CudaBackward:
     ``deterministic=True`` (or a kernel built with ``dq_accum="separate"``) stores dQ per key
     block and sums the parts in order: bit-identical results run to run, at the cost of one
     fp32 dQ per key block of workspace. ``loader="tma"``: the kernel takes tensor maps of
-    Q and dO with the tensor maps' ``swizzle`` (bytes). Loads on first use per device.
+    Q and dO with the tensor maps' ``swizzle`` (bytes). ``main_launch="programmatic"``: the
+    main kernel is launched as a programmatic dependent of the first (built with MAIN_LAUNCH
+    "programmatic", it waits for the first's results). Loads on first use per device.
     """
 
     kind = "bwd"  # the problem it solves (dispatch.KERNEL_CLASSES)
@@ -93,12 +101,16 @@ class CudaBackward:
                  arch: str | None = None, cubin: bytes | None = None,
                  source: str | None = None,
                  defines: Mapping[str, int] | None = None, loader: str = "cp_async",
-                 swizzle: int | None = None, group_split: int = 1) -> None:
+                 swizzle: int | None = None, group_split: int = 1,
+                 main_launch: str = "stream") -> None:
         if dq_accum not in ("atomic", "separate"):
             raise ValueError(f"kernel {name}: dq_accum must be 'atomic' or 'separate', "
                              f"got {dq_accum!r}")
         if loader not in LOADERS:
             raise ValueError(f"kernel {name}: loader must be one of {LOADERS}, got {loader!r}")
+        if main_launch not in MAIN_LAUNCHES:
+            raise ValueError(f"kernel {name}: main_launch must be one of {MAIN_LAUNCHES}, got "
+                             f"{main_launch!r}")
         if loader == "tma" and not isinstance(swizzle, int):
             raise ValueError(f"kernel {name}: a TMA loader needs the tensor maps' swizzle "
                              f"(bytes), got {swizzle!r}")
@@ -126,6 +138,7 @@ class CudaBackward:
         self.block_m, self.block_n = self.main.block_m, int(block_n)
         self.dq_accum = dq_accum
         self.loader = loader
+        self.main_launch = main_launch
 
     @classmethod
     def spec_args(cls, spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -139,7 +152,8 @@ class CudaBackward:
                     smem_bytes=int(spec["smem_bytes"]), dq_accum=str(params["DQ_ACCUM"]),
                     defines=spec.get("defines"), loader=loader,
                     swizzle=int(params["SWIZZLE"]) if loader == "tma" else None,
-                    group_split=int(params.get("GROUP_SPLIT", 1)))
+                    group_split=int(params.get("GROUP_SPLIT", 1)),
+                    main_launch=str(params.get("MAIN_LAUNCH", "stream")))
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], arch: str | None, *, cubin: bytes | None,
@@ -176,6 +190,17 @@ class CudaBackward:
         sb, sh, ss = parts.stride()[1:4]
         pointers = [parts[0].data_ptr(), parts[1].data_ptr()]
         return parts, pointers, [0 if ragged else sb, sh, ss] * 2
+
+    def launch_main(self, main: Loaded, gx: int, gy: int, gz: int, stream: int,
+                    args: Any) -> None:
+        """The main kernel on a (gx, gy, gz) grid with the packed ``args``: after the first
+        kernel in stream order, or as its programmatic dependent (``main_launch``)."""
+        config = (main.fn, gx, gy, gz, self.main.threads, 1, 1, self.main.smem_bytes, stream,
+                  ctypes.addressof(args[1]))
+        if self.main_launch == "programmatic":
+            launch_programmatic_in_context(main, config)
+        else:
+            launch_in_context(main, (*config, 0))
 
     def launch_kv_post(self, parts: Tensor, dk: Tensor, dv: Tensor, seq_k: int, batch: int,
                        stream: int, index: int, strides: list[int],
@@ -264,9 +289,7 @@ class CudaBackward:
         else:
             q_tma = dout_tma = None
             args = BWD_MAIN_ARGS.pack(*main_args)
-        launch_in_context(main, (main.fn, n_blocks, hkv * self.group_split, b, self.main.threads,
-                                  1, 1, self.main.smem_bytes, stream, ctypes.addressof(args[1]),
-                                  0))
+        self.launch_main(main, n_blocks, hkv * self.group_split, b, stream, args)
         if shares is not None:
             self.launch_kv_post(shares, dk, dv, sk, b, stream, index, grad_strides)
         args = BWD_POST_ARGS.pack(acc_ptr, part_ptr, dq.data_ptr(), sq, sk, h,

@@ -157,9 +157,7 @@ class CudaVarlenBackward(CudaBackward):
         else:
             q_tma = dout_tma = None
             args = VARLEN_BWD_MAIN_ARGS.pack(*main_args)
-        launch_in_context(main, (main.fn, n_blocks, hkv * self.group_split, batch,
-                                  self.main.threads, 1, 1, self.main.smem_bytes, stream,
-                                  ctypes.addressof(args[1]), 0))
+        self.launch_main(main, n_blocks, hkv * self.group_split, batch, stream, args)
         if shares is not None:
             self.launch_kv_post(shares, dk, dv, max_seqlen_k, batch, stream, index,
                                 grad_strides, ragged)

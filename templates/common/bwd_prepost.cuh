@@ -76,6 +76,11 @@ attn_bwd_pre(const elem_t* __restrict__ O, const elem_t* __restrict__ dO,
              if VARLEN is defined and VARLEN %*/, const int* __restrict__ cu_seqlens_q,
              const int* __restrict__ cu_seqlens_k, int total_q/*% endif %*/) {
   using namespace cfg;
+#ifdef EVO_BWD_MAIN_PDL
+  // The main kernel, this one's programmatic dependent, may start once every block of this one
+  // has started: it waits for this one's writes itself (griddepcontrol.wait).
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const int head = blockIdx.y, batch = blockIdx.z;
   const int row = blockIdx.x * PRE_ROWS + threadIdx.x / 8, sub = threadIdx.x % 8;
   // Where this (batch, head)'s rows start: in the log-sum-exp and dQacc, in LSE2 and DELTA;

@@ -186,6 +186,19 @@ POINTS = {
         dict(BLOCK_N=128, BLOCK_M=80, STAGES=1, SWIZZLE=64, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
              DQ_TRANSPOSED=True, DS_STORE="first"),
+        # MAIN_LAUNCH "programmatic" ([untested]): the main kernel a programmatic dependent of
+        # the pre kernel, each thread waiting before it touches what that kernel writes: the
+        # d64 winner (p48: the producer's ring, the consumers' bulk dQ), the d128 dQ-warp point
+        # with a group split (p49: the dQ warp's reduction), the cp.async ring with red.global
+        # dQ (p50: the consumers' own lse and delta loads, atomics into dQacc).
+        dict(BLOCK_N=128, BLOCK_M=128, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", MAIN_LAUNCH="programmatic"),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_BUFFERS=2,
+             DQ_LAYOUT="fragment", STEP_ORDER="dv_dq_dk", DS_BUFFERS=2, GROUP_SPLIT=2,
+             MAIN_LAUNCH="programmatic"),
+        dict(BLOCK_N=64, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
+             MAIN_LAUNCH="programmatic"),
     ],
 }
 # The STEP_ORDER points above and a head dim each admits them at: each is run next to its twin
@@ -263,6 +276,9 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     *(("wgmma_bwd", 45, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
     *(("wgmma_bwd", 46, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
     ("wgmma_bwd", 47, _problem(128, "bf16", True)), ("wgmma_bwd", 47, _problem(128, "fp16", False)),
+    *(("wgmma_bwd", 48, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    *(("wgmma_bwd", 49, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    *(("wgmma_bwd", 50, pr) for pr in PROBLEMS),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
