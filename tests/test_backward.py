@@ -33,7 +33,7 @@ WGMMA_POINT = dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atom
                    DQ_REDUCE="bulk", REFILL="dq", LOADER="cp_async", DQ_WRITER="consumer",
                    DQ_BUFFERS=1, ROWS_EARLY=False, DQ_LAYOUT="rows", DQ_TRANSPOSED=False,
                    STEP_ORDER="dv_dk_dq", GROUP_SPLIT=1, DS_BUFFERS=1,
-                   DS_STORE="after_dv", MAIN_LAUNCH="stream")
+                   DS_STORE="after_dv", MAIN_LAUNCH="stream", KV_LOAD="consumers")
 # The ring loaded by a TMA producer warpgroup (FlashAttention-3's d128 tile).
 TMA_POINT = {**WGMMA_POINT, "SWIZZLE": 128, "DQ_REDUCE": "red", "REFILL": "top",
              "LOADER": "tma"}
@@ -179,13 +179,14 @@ def test_wgmma_bwd_space_targets_sm90a_and_says_why() -> None:
     parts = sp.violations({**WGMMA_POINT, "DQ_ACCUM": "separate"}, PROBLEM, target)
     assert any("adds into the atomic accumulator" in b for b in parts)
     # Points measured before DQ_REDUCE, REFILL, LOADER, DQ_WRITER, DQ_BUFFERS, ROWS_EARLY,
-    # DQ_LAYOUT, DQ_TRANSPOSED, STEP_ORDER, GROUP_SPLIT, DS_BUFFERS, DS_STORE and MAIN_LAUNCH
-    # build today's kernel as they did.
+    # DQ_LAYOUT, DQ_TRANSPOSED, STEP_ORDER, GROUP_SPLIT, DS_BUFFERS, DS_STORE, MAIN_LAUNCH and
+    # KV_LOAD build today's kernel as they did.
     assert sp.legacy == {"DQ_REDUCE": "red", "REFILL": "top", "LOADER": "cp_async",
                          "DQ_WRITER": "consumer", "DQ_BUFFERS": 1, "ROWS_EARLY": False,
                          "DQ_LAYOUT": "rows", "DQ_TRANSPOSED": False,
                          "STEP_ORDER": "dv_dk_dq", "GROUP_SPLIT": 1, "DS_BUFFERS": 1,
-                         "DS_STORE": "after_dv", "MAIN_LAUNCH": "stream"}
+                         "DS_STORE": "after_dv", "MAIN_LAUNCH": "stream",
+                         "KV_LOAD": "consumers"}
     # dQ in fragment order is how staged dQ lies: only with the bulk reduction.
     frag = sp.with_untested().violations({**TMA_POINT, "DQ_LAYOUT": "fragment"}, TMA_PROBLEM,
                                          target)
@@ -429,6 +430,28 @@ def test_parameter_buffer_of_a_tma_kernel_matches_its_signature() -> None:
     assert pack.offsets[:3] == (0, 128, 256)
     assert pack.offsets[2:] == tuple(o + 256 for o in launch.BWD_MAIN_ARGS.offsets)
     assert len(params) == len(pack.offsets)
+
+
+def test_parameter_buffer_of_a_kernel_whose_producer_loads_k_and_v() -> None:
+    """KV_LOAD "producer": four tensor maps (Q, dO, K, V), then the cp.async kernel's."""
+    point = {**TMA_POINT, "KV_LOAD": "producer"}
+    src = render(make_candidate(space("wgmma_bwd").with_untested(), point, TMA_PROBLEM,
+                                get_arch("sm_90a")))
+    found = re.search(r"\battn_bwd\(([^)]*)\)\s*{", src)
+    assert found
+    params = [p.split() for p in found.group(1).split(",")]
+    assert [p[-1] for p in params[:4]] == ["tm_q", "tm_do", "tm_k", "tm_v"]
+    pack = launch.BWD_MAIN_TMA_KV_ARGS
+    assert pack.offsets[:5] == (0, 128, 256, 384, 512)
+    assert pack.offsets[4:] == tuple(o + 512 for o in launch.BWD_MAIN_ARGS.offsets)
+    assert len(params) == len(pack.offsets)
+    # the consumers' loads of K and V are gone; the producer's are on barriers of their own
+    assert "k_full" in src and "KV_BY_PRODUCER = true" in src
+    with pytest.raises(ValueError, match=r"kv_load must be one of \('consumers', 'producer'\) "
+                                         r"\('producer' with a TMA loader\), got 'producer'"):
+        launch.CudaBackward("b", head_dim=64, dtype="fp16", causal=True, block_m=64,
+                            block_n=64, threads=256, smem_bytes=0, dq_accum="atomic",
+                            source="//", kv_load="producer")
 
 
 def test_tma_operands_are_the_tensors_unless_a_map_cannot_describe_them() -> None:

@@ -42,6 +42,7 @@ from evoengine.launch.backward import (
     BACKWARD_ENTRIES,
     BWD_MAIN_ARGS,
     BWD_MAIN_TMA_ARGS,
+    BWD_MAIN_TMA_KV_ARGS,
     BWD_POST_ARGS,
     BWD_PRE_ARGS,
     POST_THREADS,
@@ -106,7 +107,8 @@ MODULES = ("core", "tma", "forward", "varlen", "backward", "varlen_backward", "d
 PACKAGE = __name__
 
 __all__ = [
-    "BACKWARD_ENTRIES", "BWD_MAIN_ARGS", "BWD_MAIN_TMA_ARGS", "BWD_POST_ARGS", "BWD_PRE_ARGS",
+    "BACKWARD_ENTRIES", "BWD_MAIN_ARGS", "BWD_MAIN_TMA_ARGS", "BWD_MAIN_TMA_KV_ARGS",
+    "BWD_POST_ARGS", "BWD_PRE_ARGS",
     "DECODE_ENTRIES",
     "DTYPE_NAMES", "CudaDecode", "TunedDecode", "check_decode_inputs", "check_decode_values",
     "sdpa_decode",

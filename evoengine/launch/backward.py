@@ -67,11 +67,14 @@ POST_THREADS = 256
 BWD_PRE_ARGS = ParamBuffer("QQQQQQ" + "iii" + "q" * 6)
 BWD_MAIN_ARGS = ParamBuffer("Q" * 10 + "i" * 5 + "q" * 18 + "ff")
 BWD_MAIN_TMA_ARGS = ParamBuffer("MM" + "Q" * 10 + "i" * 5 + "q" * 18 + "ff")
+# ... with K and V loaded by the producer too (KV_LOAD "producer"): their maps after Q's and dO's.
+BWD_MAIN_TMA_KV_ARGS = ParamBuffer("MM" + BWD_MAIN_TMA_ARGS.codes)
 LOADERS = ("cp_async", "tma")  # wgmma_bwd's LOADER; mma_bwd's kernels are all cp_async
 # wgmma_bwd's MAIN_LAUNCH: the main kernel after the first in stream order, or as its
 # programmatic dependent (sm_90: it starts as the first one's blocks finish and waits for its
 # results by griddepcontrol.wait); mma_bwd's are all "stream".
 MAIN_LAUNCHES = ("stream", "programmatic")
+KV_LOADS = ("consumers", "producer")  # wgmma_bwd's KV_LOAD: "producer" takes K's and V's maps
 BWD_POST_ARGS = ParamBuffer("QQQ" + "iii" + "qqq" + "f")
 BWD_KV_POST = "attn_bwd_kv_post"  # the fourth kernel, of kernels with a group split
 BWD_KV_POST_ARGS = ParamBuffer("QQQQ" + "ii" + "qqq" + "q" * 6)
@@ -102,7 +105,7 @@ class CudaBackward:
                  source: str | None = None,
                  defines: Mapping[str, int] | None = None, loader: str = "cp_async",
                  swizzle: int | None = None, group_split: int = 1,
-                 main_launch: str = "stream") -> None:
+                 main_launch: str = "stream", kv_load: str = "consumers") -> None:
         if dq_accum not in ("atomic", "separate"):
             raise ValueError(f"kernel {name}: dq_accum must be 'atomic' or 'separate', "
                              f"got {dq_accum!r}")
@@ -111,6 +114,9 @@ class CudaBackward:
         if main_launch not in MAIN_LAUNCHES:
             raise ValueError(f"kernel {name}: main_launch must be one of {MAIN_LAUNCHES}, got "
                              f"{main_launch!r}")
+        if kv_load not in KV_LOADS or (kv_load == "producer" and loader != "tma"):
+            raise ValueError(f"kernel {name}: kv_load must be one of {KV_LOADS} ('producer' "
+                             f"with a TMA loader), got {kv_load!r}")
         if loader == "tma" and not isinstance(swizzle, int):
             raise ValueError(f"kernel {name}: a TMA loader needs the tensor maps' swizzle "
                              f"(bytes), got {swizzle!r}")
@@ -139,6 +145,7 @@ class CudaBackward:
         self.dq_accum = dq_accum
         self.loader = loader
         self.main_launch = main_launch
+        self.kv_load = kv_load
 
     @classmethod
     def spec_args(cls, spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -153,7 +160,8 @@ class CudaBackward:
                     defines=spec.get("defines"), loader=loader,
                     swizzle=int(params["SWIZZLE"]) if loader == "tma" else None,
                     group_split=int(params.get("GROUP_SPLIT", 1)),
-                    main_launch=str(params.get("MAIN_LAUNCH", "stream")))
+                    main_launch=str(params.get("MAIN_LAUNCH", "stream")),
+                    kv_load=str(params.get("KV_LOAD", "consumers")))
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], arch: str | None, *, cubin: bytes | None,
@@ -190,6 +198,11 @@ class CudaBackward:
         sb, sh, ss = parts.stride()[1:4]
         pointers = [parts[0].data_ptr(), parts[1].data_ptr()]
         return parts, pointers, [0 if ragged else sb, sh, ss] * 2
+
+    def kv_operands(self, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+        """K and V as the producer's tensor maps describe them ([B, Hkv, Sk, D]; a ragged
+        launcher passes [1, Hkv, total_k, D] views), or () where the consumers load them."""
+        return tuple(tma_operand(t) for t in (k, v)) if self.kv_load == "producer" else ()
 
     def launch_main(self, main: Loaded, gx: int, gy: int, gz: int, stream: int,
                     args: Any) -> None:
@@ -283,11 +296,14 @@ class CudaBackward:
                      h, h // hkv, seq_q_pad, *strides, scale, scale * LOG2E)
         if self.loader == "tma":
             q_tma, dout_tma = tma_operand(q), tma_operand(dout)
-            args = BWD_MAIN_TMA_ARGS.pack(self.main._tensor_map(q_tma, self.block_m),
-                                          self.main._tensor_map(dout_tma, self.block_m),
-                                          *main_args)
+            maps = [self.main._tensor_map(q_tma, self.block_m),
+                    self.main._tensor_map(dout_tma, self.block_m)]
+            kv_tma = self.kv_operands(k, v)
+            maps += [self.main._tensor_map(t, self.block_n) for t in kv_tma]
+            buffer = BWD_MAIN_TMA_KV_ARGS if kv_tma else BWD_MAIN_TMA_ARGS
+            args = buffer.pack(*maps, *main_args)
         else:
-            q_tma = dout_tma = None
+            q_tma = dout_tma = kv_tma = None
             args = BWD_MAIN_ARGS.pack(*main_args)
         self.launch_main(main, n_blocks, hkv * self.group_split, b, stream, args)
         if shares is not None:
@@ -297,7 +313,7 @@ class CudaBackward:
         chunks = sq * (d // 8)
         launch_in_context(post, (post.fn, -(-chunks // POST_THREADS), h, b, POST_THREADS, 1, 1,
                                   0, stream, ctypes.addressof(args[1]), 0))
-        del rows, acc, part, q_tma, dout_tma, shares  # only now: every launch has read them
+        del rows, acc, part, q_tma, dout_tma, kv_tma, shares  # every launch has read them
 
 
 def tma_operand(t: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ from torch import Tensor
 from evoengine.launch.backward import (
     BWD_MAIN_ARGS,
     BWD_MAIN_TMA_ARGS,
+    BWD_MAIN_TMA_KV_ARGS,
     BWD_POST_ARGS,
     BWD_PRE_ARGS,
     POST_THREADS,
@@ -51,6 +52,7 @@ _RAGGED = "QQi"
 VARLEN_BWD_PRE_ARGS = ParamBuffer(BWD_PRE_ARGS.codes + _RAGGED)
 VARLEN_BWD_MAIN_ARGS = ParamBuffer(BWD_MAIN_ARGS.codes + _RAGGED)
 VARLEN_BWD_MAIN_TMA_ARGS = ParamBuffer(BWD_MAIN_TMA_ARGS.codes + _RAGGED)
+VARLEN_BWD_MAIN_TMA_KV_ARGS = ParamBuffer(BWD_MAIN_TMA_KV_ARGS.codes + _RAGGED)
 VARLEN_BWD_POST_ARGS = ParamBuffer(BWD_POST_ARGS.codes + _RAGGED)
 
 
@@ -151,11 +153,13 @@ class CudaVarlenBackward(CudaBackward):
         if self.loader == "tma":  # maps over [1, heads, total, head_dim]: rows by sequence
             q_tma = tma_operand(q.unsqueeze(0).transpose(1, 2))
             dout_tma = tma_operand(dout.unsqueeze(0).transpose(1, 2))
-            args = VARLEN_BWD_MAIN_TMA_ARGS.pack(self.main._tensor_map(q_tma, bm),
-                                                 self.main._tensor_map(dout_tma, bm),
-                                                 *main_args)
+            maps = [self.main._tensor_map(q_tma, bm), self.main._tensor_map(dout_tma, bm)]
+            kv_tma = self.kv_operands(*(t.unsqueeze(0).transpose(1, 2) for t in (k, v)))
+            maps += [self.main._tensor_map(t, bn) for t in kv_tma]
+            buffer = VARLEN_BWD_MAIN_TMA_KV_ARGS if kv_tma else VARLEN_BWD_MAIN_TMA_ARGS
+            args = buffer.pack(*maps, *main_args)
         else:
-            q_tma = dout_tma = None
+            q_tma = dout_tma = kv_tma = None
             args = VARLEN_BWD_MAIN_ARGS.pack(*main_args)
         self.launch_main(main, n_blocks, hkv * self.group_split, batch, stream, args)
         if shares is not None:
@@ -167,7 +171,7 @@ class CudaVarlenBackward(CudaBackward):
         chunks = max_seqlen_q * (d // 8)
         launch_in_context(post, (post.fn, -(-chunks // POST_THREADS), h, batch, POST_THREADS,
                                   1, 1, 0, stream, ctypes.addressof(args[1]), 0))
-        del rows, acc, part, q_tma, dout_tma, shares  # only now: every launch has read them
+        del rows, acc, part, q_tma, dout_tma, kv_tma, shares  # every launch has read them
 
 
 class _KernelGradients(torch.autograd.Function):

@@ -199,6 +199,19 @@ POINTS = {
              MAIN_LAUNCH="programmatic"),
         dict(BLOCK_N=64, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
              MAIN_LAUNCH="programmatic"),
+        # KV_LOAD "producer" ([untested]): K and V by the TMA producer on barriers of their own:
+        # FA4's d64 structure (p51), the d128 GQA winner with a split (p52), one consumer
+        # warpgroup with dQ^T at 80 rows and the programmatic launch (p53: K and V issued before
+        # the producer waits for the pre kernel).
+        dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
+             STEP_ORDER="dv_dq_dk", DS_BUFFERS=2, DS_STORE="first", KV_LOAD="producer"),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", STEP_ORDER="dv_dq_dk",
+             GROUP_SPLIT=2, KV_LOAD="producer"),
+        dict(BLOCK_N=64, BLOCK_M=80, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_TRANSPOSED=True,
+             MAIN_LAUNCH="programmatic", KV_LOAD="producer"),
     ],
 }
 # The STEP_ORDER points above and a head dim each admits them at: each is run next to its twin
@@ -279,6 +292,9 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     *(("wgmma_bwd", 48, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
     *(("wgmma_bwd", 49, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
     *(("wgmma_bwd", 50, pr) for pr in PROBLEMS),
+    *(("wgmma_bwd", 51, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    *(("wgmma_bwd", 52, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    *(("wgmma_bwd", 53, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
