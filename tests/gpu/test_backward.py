@@ -212,6 +212,17 @@ POINTS = {
         dict(BLOCK_N=64, BLOCK_M=80, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_TRANSPOSED=True,
              MAIN_LAUNCH="programmatic", KV_LOAD="producer"),
+        # LSE_READ "shfl" ([untested]): lse_log2 read before the S^T wait, BLOCK_M / 32 values a
+        # thread, spread by shuffles: FA4's d64 structure (p54), the d128 GQA winner with a
+        # split (p55), 80 rows (no multiple of 32) with dQ^T on the cp.async ring (p56).
+        dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
+             STEP_ORDER="dv_dq_dk", DS_BUFFERS=2, DS_STORE="first", LSE_READ="shfl"),
+        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
+             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", STEP_ORDER="dv_dq_dk",
+             GROUP_SPLIT=2, LSE_READ="shfl"),
+        dict(BLOCK_N=128, BLOCK_M=80, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic", REFILL="dq",
+             DQ_TRANSPOSED=True, LSE_READ="shfl"),
     ],
 }
 # The STEP_ORDER points above and a head dim each admits them at: each is run next to its twin
@@ -295,6 +306,9 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     *(("wgmma_bwd", 51, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
     *(("wgmma_bwd", 52, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
     *(("wgmma_bwd", 53, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    *(("wgmma_bwd", 54, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
+    *(("wgmma_bwd", 55, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
+    ("wgmma_bwd", 56, _problem(128, "fp16", True)), ("wgmma_bwd", 56, _problem(128, "bf16", False)),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
