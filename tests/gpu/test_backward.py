@@ -186,7 +186,7 @@ POINTS = {
         dict(BLOCK_N=128, BLOCK_M=80, STAGES=1, SWIZZLE=64, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
              DQ_TRANSPOSED=True, DS_STORE="first"),
-        # MAIN_LAUNCH "programmatic" ([untested]): the main kernel a programmatic dependent of
+        # MAIN_LAUNCH "programmatic": the main kernel a programmatic dependent of
         # the pre kernel, each thread waiting before it touches what that kernel writes: the
         # d64 winner (p48: the producer's ring, the consumers' bulk dQ), the d128 dQ-warp point
         # with a group split (p49: the dQ warp's reduction), the cp.async ring with red.global
@@ -199,7 +199,7 @@ POINTS = {
              MAIN_LAUNCH="programmatic"),
         dict(BLOCK_N=64, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic",
              MAIN_LAUNCH="programmatic"),
-        # KV_LOAD "producer" ([untested]): K and V by the TMA producer on barriers of their own:
+        # KV_LOAD "producer": K and V by the TMA producer on barriers of their own:
         # FA4's d64 structure (p51), the d128 GQA winner with a split (p52), one consumer
         # warpgroup with dQ^T at 80 rows and the programmatic launch (p53: K and V issued before
         # the producer waits for the pre kernel).
