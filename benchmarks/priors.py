@@ -8,7 +8,9 @@ so a search starts from them.
 The sources are named below, one reader per results layout; each point keeps the file it
 came from. Per workload row, the ``KEEP`` fastest points the row's re-time measured (the
 forward's and ragged prefill's ``retimed``, the backward's ``bwd_points``, decode's
-``points_us``), fastest first; a point measured on several rows is kept once, at its first.
+``points_us``; a search's final re-time, a row a point), fastest first; a point measured on
+several rows is kept once, at its first; one naming a value since removed with its parameter
+(``[retired]``) is left out.
 """
 
 from __future__ import annotations
@@ -46,12 +48,16 @@ SOURCES = [
     ("sm_90a", "retimed", "2026-11-29-h200-varlen-bwd-fa4-d64-mqa.json"),
     ("sm_90a", "retimed", "2026-11-29-h200-varlen-bwd-fa4-d64-mqa-group-split.json"),
     ("sm_90a", "retimed", "2026-11-29-h200-varlen-bwd-fa4-d64-mqa-split-search.json"),
+    ("sm_90a", "retimed", "2026-11-29-h200-wgmma-twelve-searched.json"),
+    ("sm_90a", "searched", "2026-11-29-h200-search-2m-fwd.json"),
+    ("sm_90a", "searched", "2026-11-29-h200-bwd-search-2m.json"),
     ("sm_90a", "bwd_points", "2026-11-27-h100-bwd-step-order.json"),
     ("sm_90a", "bwd_points", "2026-11-27-h100-bwd-step-order-fp16.json"),
     ("sm_90a", "bwd_points", "2026-11-25-h100-train-step-fa4.json"),
     ("sm_90a", "bwd_points", "2026-11-29-h200-bwd-split-ab.json"),
     ("sm_90a", "bwd_points", "2026-11-29-h200-bwd-ds-buffers.json"),
     ("sm_90a", "bwd_points", "2026-11-29-h200-bwd-ds-store.json"),
+    ("sm_90a", "bwd_points", "2026-11-29-h200-bwd-launch-kv-pair.json"),
     ("sm_90a", "points_us", "2026-11-25-h100-decode-fused.json"),
     ("sm_90a", "points_us", "2026-11-25-h100-decode-q4-h64-bm32.json"),
     ("sm_90a", "points_us", "2026-11-27-h100-decode-q1-h64-paged.json"),
@@ -118,6 +124,18 @@ def bwd_points(row: dict[str, Any], arch: Arch) -> Iterator[Prior]:
                "workload": _workload(row, "bwd"), "params": t["params"]}
 
 
+def searched(row: dict[str, Any], arch: Arch, rows: list[dict[str, Any]]) -> Iterator[Prior]:
+    """A row of a search's final re-time (one point a row; ``rows``, the file's, may hold
+    several searches): its point, where it is among its workload's ``KEEP`` fastest."""
+    kind = row.get("kind", "fwd")
+    key = _workload(row, kind)
+    same = sorted((r for r in rows if _workload(r, r.get("kind", "fwd")) == key),
+                  key=lambda r: r["ours_us"])
+    if any(r is row for r in same[:KEEP]):
+        yield {"kind": kind, "family": row["family"], "problem": _problem(row, kind),
+               "workload": key, "params": row["params"]}
+
+
 def points_us(row: dict[str, Any], arch: Arch) -> Iterator[Prior]:
     """A decode row: its points by identity, fastest first, their parameters found among the
     decode space's admitted points (an identity today's space no longer builds is skipped)."""
@@ -151,6 +169,18 @@ def cell_ids(row: dict[str, Any], arch: Arch, ids: list[str]) -> Iterator[Prior]
                    "params": by_part[part]}
 
 
+def _removed(prior: Prior) -> bool:
+    """Whether the point names a value its space has since removed with its parameter (a
+    ``[retired]`` one: it lost to the value kept, so it seeds nothing)."""
+    space = _space(prior["family"])
+    return any(k in space.retired for k in space.complete(prior["params"]))
+
+
+@cache
+def _space(family: str) -> SearchSpace:
+    return SearchSpace.load(paths.SPACES / f"{family}.toml")
+
+
 @cache
 def _points_by_part(arch: Arch, family: str, problem: tuple[tuple[str, Any], ...]) -> dict:
     """``family``'s admitted points for ``problem`` by the parameter part of their identity,
@@ -172,7 +202,7 @@ def _points_by_part(arch: Arch, family: str, problem: tuple[tuple[str, Any], ...
 
 
 READERS = {"retimed": retimed, "bwd_points": bwd_points, "points_us": points_us,
-           "cell_ids": cell_ids}
+           "cell_ids": cell_ids, "searched": searched}
 
 
 def build(arch: str) -> dict[str, Any]:
@@ -182,9 +212,12 @@ def build(arch: str) -> dict[str, Any]:
         if target != arch:
             continue
         doc = json.loads((RESULTS / name).read_text())
-        extra = (doc["ids"],) if reader == "cell_ids" else ()
+        extra = ((doc["ids"],) if reader == "cell_ids"
+                 else (doc["rows"],) if reader == "searched" else ())
         for row in doc["rows"]:
             for prior in READERS[reader](row, get_arch(arch), *extra):
+                if _removed(prior):
+                    continue
                 key = json.dumps([prior["kind"], prior["family"], prior["workload"],
                                   prior["params"]], sort_keys=True)
                 if key not in seen:

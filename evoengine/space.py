@@ -31,6 +31,10 @@ A space is a TOML file under ``search_spaces/`` (see ``search_spaces/mma.toml``)
   passed but no GPU has run yet (a CPU-only session's work). The search never proposes them;
   ``with_untested()`` is the space that admits them, for the GPU tests that must pass before
   they move into ``[parameters]``.
+- ``[retired]``: a parameter removed after points were measured with it (its other values
+  lost to their twins), with the one value today's template still builds. ``complete`` drops
+  it from a stored point that names that value, so the point keeps building what it measured;
+  a point naming another value is rejected by ``violations``, never built as something else.
 
 Expressions may read the problem, the parameters, earlier derived values and the target's
 limits (``SM``, ``SMEM_LIMIT``, ``MAX_THREADS``, ``REGS_PER_SM``).
@@ -57,7 +61,8 @@ _ARCH_NAMES = frozenset(("SM", "SMEM_LIMIT", "MAX_THREADS", "REGS_PER_SM"))
 _WORKLOAD_NAMES = frozenset(("KV_GROUP",))
 _FAMILY_NAME = re.compile(r"[a-z][a-z0-9_]*")
 _TOP_KEYS = {"family", "kind", "kinds", "description", "archs", "problem", "kind_problem",
-             "parameters", "derived", "constraints", "workload_rules", "legacy", "untested"}
+             "parameters", "derived", "constraints", "workload_rules", "legacy", "untested",
+             "retired"}
 
 
 def _in_domain(value: object, domain: tuple[object, ...]) -> bool:
@@ -91,6 +96,7 @@ class SearchSpace:
     kind_problem: dict[str, dict[str, object]] = field(default_factory=dict)
     untested: dict[str, tuple[object, ...]] = field(default_factory=dict)
     workload_rules: tuple[Constraint, ...] = ()
+    retired: dict[str, object] = field(default_factory=dict)
 
     def with_untested(self) -> SearchSpace:
         """This space with its ``[untested]`` values admitted (after each domain's own)."""
@@ -219,9 +225,15 @@ class SearchSpace:
             both = [v for v in values if _in_domain(v, parameters[name])]
             if both:
                 raise fail(f"untested.{name}: {both} already in its domain")
+        retired = data.get("retired", {})
+        if not isinstance(retired, dict):
+            raise fail("[retired] must be a table of removed parameter = the value still built")
+        for name in retired:
+            if name in parameters or name in problem:
+                raise fail(f"retired.{name} is still declared")
         return cls(family, str(data.get("description", "")), archs, problem, parameters,
                    derived, constraints, path, str(kinds[0]), dict(legacy),
-                   tuple(kinds), kind_problem, untested, workload_rules)
+                   tuple(kinds), kind_problem, untested, workload_rules, dict(retired))
 
     @staticmethod
     def _expr(text: object, known: set[str], fail, what: str) -> Expr:  # type: ignore[no-untyped-def]
@@ -244,12 +256,14 @@ class SearchSpace:
         A point stored before a parameter was added names the kernel that the parameter's
         legacy value builds: this is how every reader of stored points (export, the
         elites, the sampler's seeds, records) sees it. A parameter without a legacy value
-        stays missing, for ``violations`` to report; names the space does not declare are
-        kept, after the declared ones.
+        stays missing, for ``violations`` to report; a retired parameter at the value still
+        built is dropped; other names the space does not declare are kept, after the declared
+        ones.
         """
         out = {name: params[name] if name in params else self.legacy[name]
                for name in self.parameters if name in params or name in self.legacy}
-        out.update((k, v) for k, v in params.items() if k not in self.parameters)
+        out.update((k, v) for k, v in params.items() if k not in self.parameters
+                   and not (k in self.retired and _in_domain(v, (self.retired[k],))))
         return out
 
     def supports(self, arch: Arch) -> bool:
@@ -273,6 +287,9 @@ class SearchSpace:
         bad += [f"{k}={v!r} not a problem value of type {type(self.problem[k][0]).__name__}"
                 for k, v in problem.items()
                 if k in self.problem and type(v) is not type(self.problem[k][0])]
+        bad += [f"{k}={v!r} was retired: only {self.retired[k]!r} is built now"
+                for k, v in params.items()
+                if k in self.retired and not _in_domain(v, (self.retired[k],))]
         missing = set(self.parameters) - set(params)
         if missing:
             bad.append(f"missing parameters {sorted(missing)}")

@@ -33,8 +33,7 @@ WGMMA_POINT = dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=64, DQ_ACCUM="atom
                    DQ_REDUCE="bulk", REFILL="dq", LOADER="cp_async", DQ_WRITER="consumer",
                    DQ_BUFFERS=1, ROWS_EARLY=False, DQ_LAYOUT="rows", DQ_TRANSPOSED=False,
                    STEP_ORDER="dv_dk_dq", GROUP_SPLIT=1, DS_BUFFERS=1,
-                   DS_STORE="after_dv", MAIN_LAUNCH="stream", KV_LOAD="consumers",
-                   LSE_READ="chunk")
+                   DS_STORE="after_dv", MAIN_LAUNCH="stream", KV_LOAD="consumers")
 # The ring loaded by a TMA producer warpgroup (FlashAttention-3's d128 tile).
 TMA_POINT = {**WGMMA_POINT, "SWIZZLE": 128, "DQ_REDUCE": "red", "REFILL": "top",
              "LOADER": "tma"}
@@ -180,14 +179,20 @@ def test_wgmma_bwd_space_targets_sm90a_and_says_why() -> None:
     parts = sp.violations({**WGMMA_POINT, "DQ_ACCUM": "separate"}, PROBLEM, target)
     assert any("adds into the atomic accumulator" in b for b in parts)
     # Points measured before DQ_REDUCE, REFILL, LOADER, DQ_WRITER, DQ_BUFFERS, ROWS_EARLY,
-    # DQ_LAYOUT, DQ_TRANSPOSED, STEP_ORDER, GROUP_SPLIT, DS_BUFFERS, DS_STORE, MAIN_LAUNCH,
-    # KV_LOAD and LSE_READ build today's kernel as they did.
+    # DQ_LAYOUT, DQ_TRANSPOSED, STEP_ORDER, GROUP_SPLIT, DS_BUFFERS, DS_STORE, MAIN_LAUNCH and
+    # KV_LOAD build today's kernel as they did.
     assert sp.legacy == {"DQ_REDUCE": "red", "REFILL": "top", "LOADER": "cp_async",
                          "DQ_WRITER": "consumer", "DQ_BUFFERS": 1, "ROWS_EARLY": False,
                          "DQ_LAYOUT": "rows", "DQ_TRANSPOSED": False,
                          "STEP_ORDER": "dv_dk_dq", "GROUP_SPLIT": 1, "DS_BUFFERS": 1,
                          "DS_STORE": "after_dv", "MAIN_LAUNCH": "stream",
-                         "KV_LOAD": "consumers", "LSE_READ": "chunk"}
+                         "KV_LOAD": "consumers"}
+    # Points measured while DQ_DRAIN, DS_WITH_P and LSE_READ existed (their other values lost)
+    # build the kernel their kept value built; a lost value is refused, not built as another.
+    assert sp.retired == {"DQ_DRAIN": "complete", "DS_WITH_P": False, "LSE_READ": "chunk"}
+    assert sp.complete({**WGMMA_POINT, "LSE_READ": "chunk", "DS_WITH_P": False}) == WGMMA_POINT
+    assert any("LSE_READ='shfl' was retired" in b
+               for b in sp.violations({**WGMMA_POINT, "LSE_READ": "shfl"}, PROBLEM, target))
     # dQ in fragment order is how staged dQ lies: only with the bulk reduction.
     frag = sp.with_untested().violations({**TMA_POINT, "DQ_LAYOUT": "fragment"}, TMA_PROBLEM,
                                          target)

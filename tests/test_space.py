@@ -436,6 +436,33 @@ def test_tiny_space_loads(tmp_path: Path) -> None:
     assert later != space  # the legacy values are part of the space
 
 
+def test_a_retired_parameter_keeps_its_points_and_rejects_its_other_values(
+        tmp_path: Path) -> None:
+    """A parameter removed after points were measured with it: a point naming the value the
+    template still builds completes without it (and so keeps building what it measured); one
+    naming a removed value is rejected, not built as the other."""
+    space = SearchSpace.load(write(tmp_path, TINY + '\n[retired]\nLSE_READ = "chunk"\n'))
+    sm80 = get_arch("sm_80")
+    assert space.retired == {"LSE_READ": "chunk"}
+    assert space.complete({"BLOCK_M": 32, "LSE_READ": "chunk"}) == {"BLOCK_M": 32}
+    assert space.violations({"BLOCK_M": 32, "LSE_READ": "chunk"}, {"HEAD_DIM": 64}, sm80) == []
+    shfl = space.complete({"BLOCK_M": 32, "LSE_READ": "shfl"})
+    assert shfl == {"BLOCK_M": 32, "LSE_READ": "shfl"}
+    assert space.violations(shfl, {"HEAD_DIM": 64}, sm80) == [
+        "LSE_READ='shfl' was retired: only 'chunk' is built now"]
+    with pytest.raises(SpaceError, match="retired.BLOCK_M is still declared"):
+        SearchSpace.load(write(tmp_path, TINY + "\n[retired]\nBLOCK_M = 32\n"))
+    # A search's domain: the kept value names today's point (a stored elite or prior seeds
+    # it); the removed value names no point, so it seeds nothing.
+    from evoengine.search.domain import Domain
+    from evoengine.workload import Workload
+
+    domain = Domain([space], Workload(1, 1, 128, 64), sm80)
+    assert domain.point(domain.identity("mma", {"BLOCK_M": 32, "LSE_READ": "chunk"})) == (
+        "mma", {"BLOCK_M": 32})
+    assert domain.point(domain.identity("mma", {"BLOCK_M": 32, "LSE_READ": "shfl"})) is None
+
+
 BAD_FILES = {
     "missing family": (edit('family = "mma"\n', ""), "missing 'family'"),
     "missing archs": (edit('archs = ["sm_80", "sm_90a"]\n', ""), "missing 'archs'"),

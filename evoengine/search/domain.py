@@ -68,10 +68,14 @@ class Domain:
 
     def identity(self, family: str, params: Mapping[str, Any]) -> str:
         """The identity of the point ``params`` names, a stored point that lacks parameters
-        added since it was measured included (``SearchSpace.complete``)."""
+        added since it was measured included (``SearchSpace.complete``). One that names a
+        retired parameter's removed value keeps it in its identity, which no admitted point
+        has."""
         space = self.spaces[family]
         params = space.complete(params)
-        return make_identity(family, self.problem, {k: params[k] for k in space.parameters})
+        named = {k: params[k] for k in space.parameters}
+        named.update((k, v) for k, v in params.items() if k in space.retired)
+        return make_identity(family, self.problem, named)
 
     def point(self, identity: str) -> Point | None:
         """The admitted point with this identity, or None."""

@@ -212,29 +212,6 @@ POINTS = {
         dict(BLOCK_N=64, BLOCK_M=80, STAGES=3, SWIZZLE=128, DQ_ACCUM="atomic",
              DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_TRANSPOSED=True,
              MAIN_LAUNCH="programmatic", KV_LOAD="producer"),
-        # LSE_READ "shfl" ([untested]): lse_log2 read before the S^T wait, BLOCK_M / 32 values a
-        # thread, spread by shuffles: FA4's d64 structure (p54), the d128 GQA winner with a
-        # split (p55), 80 rows (no multiple of 32) with dQ^T on the cp.async ring (p56).
-        dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
-             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
-             STEP_ORDER="dv_dq_dk", DS_BUFFERS=2, DS_STORE="first", LSE_READ="shfl"),
-        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
-             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", STEP_ORDER="dv_dq_dk",
-             GROUP_SPLIT=2, LSE_READ="shfl"),
-        dict(BLOCK_N=128, BLOCK_M=80, STAGES=2, SWIZZLE=64, DQ_ACCUM="atomic", REFILL="dq",
-             DQ_TRANSPOSED=True, LSE_READ="shfl"),
-        # DS_STORE "interleaved" ([untested]): each k-step's dS computed, packed and stored in
-        # turn: FA4's d64 structure (p57), the d128 two-dS-buffer dQ-warp point that "first"
-        # slowed (p58), dQ^T at 80 rows (p59: five k-steps).
-        dict(BLOCK_N=128, BLOCK_M=128, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
-             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
-             STEP_ORDER="dv_dq_dk", DS_BUFFERS=2, DS_STORE="interleaved"),
-        dict(BLOCK_N=128, BLOCK_M=64, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
-             DQ_REDUCE="bulk", LOADER="tma", DQ_WRITER="warp", DQ_LAYOUT="fragment",
-             STEP_ORDER="dv_dq_dk", DS_BUFFERS=2, GROUP_SPLIT=2, DS_STORE="interleaved"),
-        dict(BLOCK_N=128, BLOCK_M=80, STAGES=2, SWIZZLE=128, DQ_ACCUM="atomic",
-             DQ_REDUCE="bulk", LOADER="tma", DQ_LAYOUT="fragment", DQ_TRANSPOSED=True,
-             DS_STORE="interleaved"),
     ],
 }
 # The STEP_ORDER points above and a head dim each admits them at: each is run next to its twin
@@ -318,12 +295,6 @@ CASES = [("mma_bwd", i, pr) for i in range(len(POINTS["mma_bwd"])) for pr in PRO
     *(("wgmma_bwd", 51, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
     *(("wgmma_bwd", 52, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
     *(("wgmma_bwd", 53, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
-    *(("wgmma_bwd", 54, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
-    *(("wgmma_bwd", 55, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
-    ("wgmma_bwd", 56, _problem(128, "fp16", True)), ("wgmma_bwd", 56, _problem(128, "bf16", False)),
-    *(("wgmma_bwd", 57, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 64),
-    *(("wgmma_bwd", 58, pr) for pr in PROBLEMS if pr["HEAD_DIM"] == 128),
-    ("wgmma_bwd", 59, _problem(128, "bf16", True)), ("wgmma_bwd", 59, _problem(128, "fp16", False)),
 ]
 
 _kernels: dict[str, BackwardKernel] = {}
