@@ -244,6 +244,10 @@ WGMMA_CAUSAL = {"HEAD_DIM": 128, "DTYPE": "fp16", "CAUSAL": True}
 
 def test_shipped_spaces_declare_the_legacy_values() -> None:
     assert {s.family: s.legacy for s in default_spaces()} == LEGACY
+    # and the parameters removed since, with the value each template still builds
+    assert {s.family: s.retired for s in default_spaces()} == {
+        "mma": {}, "wgmma": {"EXP_EMU": 0, "TILE_OVERLAP": False, "KV_MULTICAST": False},
+        "wmma": {}}
 
 
 def test_complete_fills_legacy_values_in_declared_order() -> None:
