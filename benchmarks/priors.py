@@ -172,8 +172,7 @@ def cell_ids(row: dict[str, Any], arch: Arch, ids: list[str]) -> Iterator[Prior]
 def _removed(prior: Prior) -> bool:
     """Whether the point names a value its space has since removed with its parameter (a
     ``[retired]`` one: it lost to the value kept, so it seeds nothing)."""
-    space = _space(prior["family"])
-    return any(k in space.retired for k in space.complete(prior["params"]))
+    return bool(_space(prior["family"]).removed(prior["params"]))
 
 
 @cache
@@ -186,7 +185,7 @@ def _points_by_part(arch: Arch, family: str, problem: tuple[tuple[str, Any], ...
     """``family``'s admitted points for ``problem`` by the parameter part of their identity,
     the parameters added since the measurement (``[legacy]``, at their legacy value) left out
     of the part, as an identity written before them lacks them."""
-    space = SearchSpace.load(paths.SPACES / f"{family}.toml")
+    space = _space(family)
     out: dict[str, Any] = {}
     newest_last = list(space.legacy)
     for p in space.admitted(dict(problem), arch):

@@ -262,9 +262,16 @@ class SearchSpace:
         """
         out = {name: params[name] if name in params else self.legacy[name]
                for name in self.parameters if name in params or name in self.legacy}
-        out.update((k, v) for k, v in params.items() if k not in self.parameters
-                   and not (k in self.retired and _in_domain(v, (self.retired[k],))))
+        removed = self.removed(params)
+        out.update((k, v) for k, v in params.items()
+                   if k not in self.parameters and (k not in self.retired or k in removed))
         return out
+
+    def removed(self, params: Mapping[str, object]) -> dict[str, object]:
+        """The retired parameters ``params`` names at a value since removed (not the one the
+        template still builds): a point no template of today builds."""
+        return {k: v for k, v in params.items()
+                if k in self.retired and not _in_domain(v, (self.retired[k],))}
 
     def supports(self, arch: Arch) -> bool:
         return arch.name in self.archs
@@ -288,8 +295,7 @@ class SearchSpace:
                 for k, v in problem.items()
                 if k in self.problem and type(v) is not type(self.problem[k][0])]
         bad += [f"{k}={v!r} was retired: only {self.retired[k]!r} is built now"
-                for k, v in params.items()
-                if k in self.retired and not _in_domain(v, (self.retired[k],))]
+                for k, v in self.removed(params).items()]
         missing = set(self.parameters) - set(params)
         if missing:
             bad.append(f"missing parameters {sorted(missing)}")

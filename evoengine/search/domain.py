@@ -73,8 +73,7 @@ class Domain:
         has."""
         space = self.spaces[family]
         params = space.complete(params)
-        named = {k: params[k] for k in space.parameters}
-        named.update((k, v) for k, v in params.items() if k in space.retired)
+        named = {**{k: params[k] for k in space.parameters}, **space.removed(params)}
         return make_identity(family, self.problem, named)
 
     def point(self, identity: str) -> Point | None:
