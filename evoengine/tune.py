@@ -383,7 +383,7 @@ def tune(tp: TunePlan, *, store: str | None = None, output: str | Path | None = 
     for kind in tp.crossed:
         rungs = [p.workload for p in tp.parts if p.kind == kind]
         # the ladder's rungs and the latency calls are two series: each rung's neighbours
-        # are of its own (a latency call's elites are no candidates for a 16K-token call)
+        # are of its own, plus the other series' rung at its lengths (cross.neighbours)
         series = [tp.geometry.is_latency_call(getattr(w, "batch", 0), getattr(w, "seq_q", 0))
                   for w in rungs]
         try:

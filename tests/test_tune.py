@@ -13,7 +13,7 @@ import re
 import zlib
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import optuna
@@ -615,17 +615,36 @@ def test_a_tune_of_the_serving_kinds_exports_them(tmp_path: Path,
 
 
 def test_the_ladder_and_the_latency_calls_are_two_series_for_the_cross_retime() -> None:
-    """A rung's neighbours are the nearest rungs either side of its own series, so a latency
-    call's elites (one sequence) are never candidates for the ladder's 16K-token calls."""
+    """A rung's neighbours are the nearest rungs either side of its own series, then the
+    other series' rung at its lengths: the latency call's entry and the ladder's at one length
+    share its calls by batch x heads, so each is chosen among the other's best too."""
     assert cross.neighbours([0, 0, 0], 1) == [1, 0, 2]
     series = [False, False, False, True, True]  # ladder 256, 512, 1024; latency 256, 512
     assert [cross.neighbours(series, i) for i in range(5)] == [
         [0, 1], [1, 0, 2], [2, 1], [3, 4], [4, 3]]
+    lengths = [256, 512, 1024, 256, 512]
+    assert [cross.neighbours(series, i, lengths) for i in range(5)] == [
+        [0, 1, 3], [1, 0, 2, 4], [2, 1], [3, 4, 0], [4, 3, 1]]
+    assert cross.neighbours(series, 3, [None] * 5) == [3, 4]  # no lengths: no twins
+
     g = replace(TINY, min_seq=256, max_seq=2048, latency_max_seq=1024)
     tp = tune.plan(g, SM90, name="t", kinds=("fwd",), timeout_s=600)
     shapes = [(p.workload.batch, p.workload.seq_q) for p in tp.parts]
     assert shapes == [(64, 256), (32, 512), (16, 1024), (8, 2048), (1, 256), (1, 512), (1, 1024)]
     assert [g.is_latency_call(b, s) for b, s in shapes] == [False] * 4 + [True] * 3
+
+    class Elites:  # each rung's three best, named after it
+        def elites(self, *, arch: str, workload_key: str) -> list[Any]:
+            return [SimpleNamespace(identity=f"{workload_key}#{n}") for n in range(3)]
+
+    rungs = [p.workload for p in tp.parts]
+    twins = [g.is_latency_call(b, s) for b, s in shapes]
+    got = cross.candidates_for(Elites(), SM90, rungs, 5, twins)  # type: ignore[arg-type]
+    # the 1 x 512 latency call: its own two best, its series' either side, the ladder's 512
+    assert [k.split("-sk")[0] for k in got] == [
+        "b1-h4-kv2-sq512", "b1-h4-kv2-sq512", "b1-h4-kv2-sq256", "b1-h4-kv2-sq256",
+        "b1-h4-kv2-sq1024", "b1-h4-kv2-sq1024", "b32-h4-kv2-sq512", "b32-h4-kv2-sq512"]
+    assert [k[-2:] for k in got] == ["#0", "#1"] * 4
     def cell(i: int) -> list[str]:
         return [w.key().removesuffix("-d64-causal-fp16")
                 for w in problem("fwd").cell_workloads(tp.parts[i].workload)]

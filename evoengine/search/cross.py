@@ -8,7 +8,9 @@ points on the rung alone, and a short one can end on a point that is fast there 
 little way off (on the H100 a 100 s search's rank 1 at 16 x 1024 ran 11 x 1225 at 0.96x
 cuDNN). ``cross_retime`` therefore takes, for each rung of one kind, the best
 ``PER_RUNG`` elites of the rung and of the rungs either side in its series (a tune's
-ladder, or its latency calls: ``geometry.ModelGeometry``), times them all interleaved on
+ladder, or its latency calls: ``geometry.ModelGeometry``) and of the other series' rung at
+its lengths (the ladder's and the latency call's entries at one length share its calls by
+batch x heads: ``neighbours``), times them all interleaved on
 the rung and on its cell's off-ladder workloads (``Problem.cell_workloads``: a quarter octave
 below and above, odd lengths, at the rung's tokens and a quarter of them), next to the
 problem's anchors as a search's final re-time
@@ -82,20 +84,34 @@ def is_cross_study(study: str) -> bool:
     return "/cross/" in study
 
 
-def neighbours(series: Sequence[object], i: int) -> list[int]:
+def neighbours(series: Sequence[object], i: int,
+               lengths: Sequence[object] | None = None) -> list[int]:
     """Rung ``i``, then the nearest rung before it and after it in the same series
-    (``series[j]``: rung ``j``'s)."""
+    (``series[j]``: rung ``j``'s), then the rungs of other series at rung ``i``'s lengths
+    (``lengths[j]``: rung ``j``'s; None matches nothing). An entry serves the calls of its
+    lengths nearest its own batch x heads, so the entries of two series at one length split
+    those calls between them: a latency call's entry serves calls of a few sequences, where
+    the ladder's kernels can be the faster (docs/NOTES.md, "calls of a few sequences")."""
     same = [j for j, s in enumerate(series) if s == series[i]]
     k = same.index(i)
-    return [i, *same[max(0, k - 1):k], *same[k + 1:k + 2]]
+    twins = [] if lengths is None or lengths[i] is None else [
+        j for j, s in enumerate(series) if s != series[i] and lengths[j] == lengths[i]]
+    return [i, *same[max(0, k - 1):k], *same[k + 1:k + 2], *twins]
+
+
+def _lengths(workload: Workload) -> tuple[int, int] | None:
+    """A rung's (seq_q, seq_k), or None for a kind whose workload has no such lengths."""
+    seq_q, seq_k = getattr(workload, "seq_q", None), getattr(workload, "seq_k", None)
+    return None if seq_q is None or seq_k is None else (seq_q, seq_k)
 
 
 def candidates_for(store: Store, arch: Arch, rungs: Sequence[Workload], i: int,
                    series: Sequence[object] | None = None) -> list[str]:
     """Identities to time for rung ``i``: the best ``PER_RUNG`` elites of it, then of the
-    rung before and the rung after in its series (default: one series), each once."""
+    rung before and the rung after in its series (default: one series), then of the other
+    series' rungs at its lengths, each once."""
     out: list[str] = []
-    for j in neighbours(series or [0] * len(rungs), i):
+    for j in neighbours(series or [0] * len(rungs), i, [_lengths(w) for w in rungs]):
         for e in store.elites(arch=arch.name, workload_key=rungs[j].key())[:PER_RUNG]:
             if e.identity not in out:
                 out.append(e.identity)
