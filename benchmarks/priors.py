@@ -51,6 +51,7 @@ SOURCES = [
     ("sm_90a", "retimed", "2026-11-29-h200-wgmma-twelve-searched.json"),
     ("sm_90a", "searched", "2026-11-29-h200-search-2m-fwd.json"),
     ("sm_90a", "searched", "2026-11-29-h200-bwd-search-2m.json"),
+    ("sm_90a", "searched", "2026-11-29-h200-bwd-search-2m-d128.json"),
     ("sm_90a", "bwd_points", "2026-11-27-h100-bwd-step-order.json"),
     ("sm_90a", "bwd_points", "2026-11-27-h100-bwd-step-order-fp16.json"),
     ("sm_90a", "bwd_points", "2026-11-25-h100-train-step-fa4.json"),
