@@ -383,7 +383,8 @@ def tune(tp: TunePlan, *, store: str | None = None, output: str | Path | None = 
     for kind in tp.crossed:
         rungs = [p.workload for p in tp.parts if p.kind == kind]
         # the ladder's rungs and the latency calls are two series: each rung's neighbours
-        # are of its own, plus the other series' rung at its lengths (cross.neighbours)
+        # are of its own, plus the other series' rung at its lengths and that rung's either
+        # side (cross.neighbours)
         series = [tp.geometry.is_latency_call(getattr(w, "batch", 0), getattr(w, "seq_q", 0))
                   for w in rungs]
         try:

@@ -616,15 +616,16 @@ def test_a_tune_of_the_serving_kinds_exports_them(tmp_path: Path,
 
 def test_the_ladder_and_the_latency_calls_are_two_series_for_the_cross_retime() -> None:
     """A rung's neighbours are the nearest rungs either side of its own series, then the
-    other series' rung at its lengths: the latency call's entry and the ladder's at one length
-    share its calls by batch x heads, so each is chosen among the other's best too."""
+    other series' rung at its lengths and that rung's either side: the latency call's entry
+    and the ladder's at one length share its calls by batch x heads, so each is chosen among
+    the other's candidates too."""
     assert cross.neighbours([0, 0, 0], 1) == [1, 0, 2]
     series = [False, False, False, True, True]  # ladder 256, 512, 1024; latency 256, 512
     assert [cross.neighbours(series, i) for i in range(5)] == [
         [0, 1], [1, 0, 2], [2, 1], [3, 4], [4, 3]]
     lengths = [256, 512, 1024, 256, 512]
     assert [cross.neighbours(series, i, lengths) for i in range(5)] == [
-        [0, 1, 3], [1, 0, 2, 4], [2, 1], [3, 4, 0], [4, 3, 1]]
+        [0, 1, 3, 4], [1, 0, 2, 4, 3], [2, 1], [3, 4, 0, 1], [4, 3, 1, 0, 2]]
     assert cross.neighbours(series, 3, [None] * 5) == [3, 4]  # no lengths: no twins
 
     g = replace(TINY, min_seq=256, max_seq=2048, latency_max_seq=1024)
@@ -640,11 +641,12 @@ def test_the_ladder_and_the_latency_calls_are_two_series_for_the_cross_retime() 
     rungs = [p.workload for p in tp.parts]
     twins = [g.is_latency_call(b, s) for b, s in shapes]
     got = cross.candidates_for(Elites(), SM90, rungs, 5, twins)  # type: ignore[arg-type]
-    # the 1 x 512 latency call: its own two best, its series' either side, the ladder's 512
-    assert [k.split("-sk")[0] for k in got] == [
-        "b1-h4-kv2-sq512", "b1-h4-kv2-sq512", "b1-h4-kv2-sq256", "b1-h4-kv2-sq256",
-        "b1-h4-kv2-sq1024", "b1-h4-kv2-sq1024", "b32-h4-kv2-sq512", "b32-h4-kv2-sq512"]
-    assert [k[-2:] for k in got] == ["#0", "#1"] * 4
+    # the 1 x 512 latency call: its own two best, its series' either side, then the ladder's
+    # 512 and the ladder's either side of it
+    assert [k.split("-sk")[0] for k in got[::2]] == [
+        "b1-h4-kv2-sq512", "b1-h4-kv2-sq256", "b1-h4-kv2-sq1024",
+        "b32-h4-kv2-sq512", "b64-h4-kv2-sq256", "b16-h4-kv2-sq1024"]
+    assert [k[-2:] for k in got] == ["#0", "#1"] * 6 and got[1].startswith("b1-h4-kv2-sq512-")
     def cell(i: int) -> list[str]:
         return [w.key().removesuffix("-d64-causal-fp16")
                 for w in problem("fwd").cell_workloads(tp.parts[i].workload)]

@@ -9,8 +9,8 @@ little way off (on the H100 a 100 s search's rank 1 at 16 x 1024 ran 11 x 1225 a
 cuDNN). ``cross_retime`` therefore takes, for each rung of one kind, the best
 ``PER_RUNG`` elites of the rung and of the rungs either side in its series (a tune's
 ladder, or its latency calls: ``geometry.ModelGeometry``) and of the other series' rung at
-its lengths (the ladder's and the latency call's entries at one length share its calls by
-batch x heads: ``neighbours``), times them all interleaved on
+its lengths and that rung's either side (the ladder's and the latency call's entries at one
+length share its calls by batch x heads: ``neighbours``), times them all interleaved on
 the rung and on its cell's off-ladder workloads (``Problem.cell_workloads``: a quarter octave
 below and above, odd lengths, at the rung's tokens and a quarter of them), next to the
 problem's anchors as a search's final re-time
@@ -87,16 +87,23 @@ def is_cross_study(study: str) -> bool:
 def neighbours(series: Sequence[object], i: int,
                lengths: Sequence[object] | None = None) -> list[int]:
     """Rung ``i``, then the nearest rung before it and after it in the same series
-    (``series[j]``: rung ``j``'s), then the rungs of other series at rung ``i``'s lengths
-    (``lengths[j]``: rung ``j``'s; None matches nothing). An entry serves the calls of its
-    lengths nearest its own batch x heads, so the entries of two series at one length split
-    those calls between them: a latency call's entry serves calls of a few sequences, where
-    the ladder's kernels can be the faster (docs/NOTES.md, "calls of a few sequences")."""
-    same = [j for j, s in enumerate(series) if s == series[i]]
-    k = same.index(i)
-    twins = [] if lengths is None or lengths[i] is None else [
-        j for j, s in enumerate(series) if s != series[i] and lengths[j] == lengths[i]]
-    return [i, *same[max(0, k - 1):k], *same[k + 1:k + 2], *twins]
+    (``series[j]``: rung ``j``'s); then, for each rung of another series at rung ``i``'s
+    lengths (``lengths[j]``: rung ``j``'s; None matches nothing), that rung and the nearest
+    either side of it in its own series. An entry serves the calls of its lengths nearest its
+    own batch x heads, so the entries of two series at one length split those calls between
+    them: a latency call's entry serves calls of a few sequences, where the ladder's kernels
+    can be the faster (docs/NOTES.md, "calls of a few sequences")."""
+    def around(j: int) -> list[int]:
+        same = [x for x, s in enumerate(series) if s == series[j]]
+        k = same.index(j)
+        return [j, *same[max(0, k - 1):k], *same[k + 1:k + 2]]
+
+    out = around(i)
+    if lengths is not None and lengths[i] is not None:
+        for j, s in enumerate(series):
+            if s != series[i] and lengths[j] == lengths[i]:
+                out += [x for x in around(j) if x not in out]
+    return out
 
 
 def _lengths(workload: Workload) -> tuple[int, int] | None:
@@ -108,8 +115,8 @@ def _lengths(workload: Workload) -> tuple[int, int] | None:
 def candidates_for(store: Store, arch: Arch, rungs: Sequence[Workload], i: int,
                    series: Sequence[object] | None = None) -> list[str]:
     """Identities to time for rung ``i``: the best ``PER_RUNG`` elites of it, then of the
-    rung before and the rung after in its series (default: one series), then of the other
-    series' rungs at its lengths, each once."""
+    rung before and the rung after in its series (default: one series), then of each other
+    series' rung at its lengths and of the rungs either side of that one, each once."""
     out: list[str] = []
     for j in neighbours(series or [0] * len(rungs), i, [_lengths(w) for w in rungs]):
         for e in store.elites(arch=arch.name, workload_key=rungs[j].key())[:PER_RUNG]:
