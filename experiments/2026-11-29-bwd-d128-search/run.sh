@@ -10,7 +10,7 @@ mkdir -p runs "$out"
 for dtype in "$@"; do
   store=runs/bwd-d128-$dtype.db
   rm -f "$store"
-  python3 -W ignore -c 'import site,sys,runpy; site.addsitedir("/tmp/fa4site"); sys.argv=["evoengine"]+sys.argv[1:]; runpy.run_module("evoengine", run_name="__main__", alter_sys=True)' \
+  python3 -W ignore benchmarks/with_site.py /tmp/fa4site -m evoengine \
     search --kind bwd --shape 4,32,4096,128 --kv-heads 8 --causal --dtype "$dtype" --seed 7 \
     --timeout 2m --store "$store" --json "$out/bwd-d128-search-$dtype.json" \
     > "$out/bwd-d128-search-$dtype.log" 2>&1

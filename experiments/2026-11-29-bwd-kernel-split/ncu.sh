@@ -12,8 +12,7 @@ SECTIONS=${SECTIONS:-"--section SpeedOfLight --section ComputeWorkloadAnalysis -
           --section MemoryWorkloadAnalysis"}
 run() {  # name, kernel regex
   ncu --clock-control none -k "$2" -s 2 -c 1 $SECTIONS -o "$OUT/$1" \
-    python3 -W ignore -c 'import site,sys,runpy; site.addsitedir(sys.argv[1]); sys.argv=["split.py"]+sys.argv[2:]; runpy.run_path("'$here'/split.py", run_name="__main__")' \
-    "${FA4SITE:-/nonexistent}" --points "${POINTS:-$here/points.json}" --workloads "$workload" --dtypes "$dtype" \
+    python3 -W ignore benchmarks/with_site.py "${FA4SITE:-/nonexistent}" "$here/split.py" --points "${POINTS:-$here/points.json}" --workloads "$workload" --dtypes "$dtype" \
     --only "$1" --calls 4 > "$OUT/$1-run.log" 2>&1 || { tail -5 "$OUT/$1-run.log"; return 0; }
   ncu -i "$OUT/$1.ncu-rep" --page details > "$OUT/$1.txt"
   ncu -i "$OUT/$1.ncu-rep" --page raw --csv > "$OUT/$1-raw.csv"
