@@ -13,12 +13,14 @@ kernel is the same for every length), and a timing of ``attention`` next to SDPA
 ``--rounds`` rounds interleaved in this process (``measure.time_calls``, inputs rotated past
 L2). Rows: ``shape`` [B, H, S, D], ``causal``, ``dtype``, ``ours_us``, ``sdpa_cudnn_us``,
 ``vs_cudnn``, ``tuned`` (the serving entry was tuned at exactly this shape), ``entry``,
-``criterion``.
+``criterion``. ``--causal`` and ``--dtype`` call the module with a mask or dtype other than the
+config's (the variants its tune derived rather than searched), at the same shapes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -63,10 +65,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=32768)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--causal", choices=["config", "yes", "no"], default="config",
+                    help="the mask of every call (default: the config's)")
+    ap.add_argument("--dtype", choices=["config", "fp16", "bf16"], default="config",
+                    help="the dtype of every call (default: the config's)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
     geo = from_config(args.config)
+    if args.causal != "config":
+        geo = dataclasses.replace(geo, causal=args.causal == "yes")
+    if args.dtype != "config":
+        geo = dataclasses.replace(geo, dtype=args.dtype)
     attention = import_module_file(args.module).attention
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[geo.dtype]
     rows: list[dict[str, Any]] = []
@@ -137,6 +147,7 @@ def main() -> None:
                      summary="; ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                        for k, v in summary.items()),
                      summary_values=summary, module=str(args.module), config=str(args.config),
+                     variant={"causal": args.causal, "dtype": args.dtype},
                      seed=args.seed, rows=rows)
         args.json.write_text(json.dumps(doc, indent=1))
 
