@@ -1,6 +1,7 @@
 """Re-time chosen points per workload the way a search's final step does, next to SDPA.
 
-    python benchmarks/retime.py --records 6 --points benchmarks/wgmma_causal_points.json \
+    python benchmarks/retime.py --records 6 \
+        --points experiments/2026-11-22-wgmma-causal/wgmma_causal_points.json \
         --family wgmma --dtypes fp16,bf16 --json out.json
 
 For each workload (default: issue #5's three shapes, causal and not) and dtype, the
