@@ -21,8 +21,9 @@ the rung and a quarter octave either side (``evoengine.search.cross``): an entry
 whole cell of lengths, not only the one its search timed. ``cross=False`` (``--no-cross``)
 skips it.
 
-The budget. ``timeout_s``, less ``CROSS_SHARE`` of it where the cross re-time runs (which is
-not cut short), is split over the workloads not yet finished, each taking
+The budget. ``timeout_s``, less what is kept for the cross re-time where it runs (its estimate,
+``CROSS_S_PER_RUNG`` a rung, within ``CROSS_SHARE`` and ``CROSS_MAX_SHARE`` of the timeout;
+the cross re-time is not cut short), is split over the workloads not yet finished, each taking
 ``remaining x weight / (sum of the unfinished weights)`` when it starts, so time a search
 leaves unspent (its domain exhausted) or overruns (its elites' final re-time comes after its
 own timeout) is passed on to the ones after it. Weights are ``equal`` (the default: a
@@ -64,8 +65,15 @@ from evoengine.space import SearchSpace, default_spaces, workload_names
 SPLITS = ("equal", "flops")
 MIN_SHARE_S = 10.0
 DEFAULT_TIMEOUT_S = 30 * 60.0
-# The part of --timeout kept for the cross re-time (evoengine.search.cross) when it runs.
+# What of --timeout is kept for the cross re-time (evoengine.search.cross) when it runs: its
+# estimate, CROSS_S_PER_RUNG a rung, at least CROSS_SHARE of the timeout and at most
+# CROSS_MAX_SHARE (a short budget stays mostly the searches'). A rung took 7-20 s, 12 on
+# average, in a d64 model's 10-minute tune on the H200 (10 rungs, 3-11 candidates on 5
+# workloads each) and in tests/gpu/test_tune.py's (9 rungs, 2026-11-29): 118 s in all for
+# the d64 model, where a tenth of the 10 minutes (60 s) had been kept.
 CROSS_SHARE = 0.1
+CROSS_S_PER_RUNG = 12.0
+CROSS_MAX_SHARE = 0.3
 # The rounds of a crossed kind's searches' own final re-time: the cross re-time times each
 # rung's best again, with the anchors, on the rung and its cell, so the searches' re-time
 # only orders their elites (a search's own default is 5 rounds).
@@ -113,11 +121,21 @@ class TunePlan:
                      and problem(k).cell_workloads(next(p.workload for p in self.parts
                                                         if p.kind == k)))
 
+    def cross_seconds(self) -> float:
+        """The cross re-time's estimated seconds: CROSS_S_PER_RUNG for each rung it re-times."""
+        crossed = self.crossed
+        return CROSS_S_PER_RUNG * sum(p.kind in crossed for p in self.parts)
+
     def search_seconds(self) -> float | None:
-        """What of the timeout the searches share: all of it but the cross re-time's part."""
+        """What of the timeout the searches share: all of it but what is kept for the cross
+        re-time (its estimate, within CROSS_SHARE and CROSS_MAX_SHARE of the timeout)."""
         if self.timeout_s is None:
             return None
-        return self.timeout_s * (1.0 - CROSS_SHARE if self.crossed else 1.0)
+        if not self.crossed:
+            return self.timeout_s
+        keep = min(max(CROSS_SHARE * self.timeout_s, self.cross_seconds()),
+                   CROSS_MAX_SHARE * self.timeout_s)
+        return self.timeout_s - keep
 
     def shares(self, seconds: float | None = None) -> list[float]:
         """Each part's share of ``seconds`` (default: the timeout), were all unfinished."""
@@ -145,8 +163,7 @@ class TunePlan:
         if self.crossed:
             lines.append(f"  then the cross re-time of {', '.join(self.crossed)} (each rung's "
                          f"and its neighbours' best {cross.PER_RUNG} on the rung and its cell"
-                         + (f", ~{CROSS_SHARE * self.timeout_s:.0f} s)" if self.timeout_s
-                            else ")"))
+                         + f", ~{self.cross_seconds():.0f} s)")
         return "\n".join(lines)
 
 

@@ -163,12 +163,35 @@ def test_the_budget_splits_equally_or_by_flops() -> None:
     assert tiny.shares() == [tune.MIN_SHARE_S] * 2
 
 
+def test_the_cross_retime_keeps_its_estimate_within_bounds() -> None:
+    """Kept for the cross re-time: CROSS_S_PER_RUNG a rung, at least CROSS_SHARE and at most
+    CROSS_MAX_SHARE of the timeout; the plan prints the estimate."""
+    def kept(tp: tune.TunePlan) -> float:
+        return tp.timeout_s - tp.search_seconds()
+
+    g = replace(TINY, max_seq=16384)  # a rung per octave from 512: 6 rungs
+    assert len(tune.plan(g, SM90, name="t", kinds=("fwd",), timeout_s=600, cross=False)
+               .parts) >= 6
+    many = tune.plan(g, SM90, name="t", kinds=("fwd",), timeout_s=600)
+    rungs = len(many.parts)
+    assert many.cross_seconds() == pytest.approx(tune.CROSS_S_PER_RUNG * rungs)
+    assert kept(many) == pytest.approx(min(max(60.0, many.cross_seconds()), 180.0))
+    assert kept(many) > 60.0  # more than a tenth: the estimate
+    assert f"~{many.cross_seconds():.0f} s)" in many.describe()
+    short = tune.plan(g, SM90, name="t", kinds=("fwd",), timeout_s=100)
+    assert kept(short) == pytest.approx(100 * tune.CROSS_MAX_SHARE)  # capped
+    few = tune.plan(TINY, SM90, name="t", kinds=("fwd",), timeout_s=3600)
+    assert kept(few) == pytest.approx(360.0)  # at least a tenth
+    assert tune.plan(g, SM90, name="t", kinds=("fwd",), timeout_s=600,
+                     cross=False).search_seconds() == 600
+
+
 def test_the_plan_says_what_it_will_do() -> None:
     text = tune.plan(TINY, SM90, name="tiny", kinds=("fwd", "bwd"), timeout_s=600).describe()
     assert "tune tiny on sm_90a: 4 query heads, 2 key/value heads, head dim 64" in text
     assert "4 workloads (fwd, bwd), 600 s split equal" in text
     assert text.count("135s") == 4 and "tiny/sm_90a-b16-h4-kv2-sq1024" in text
-    assert "then the cross re-time of fwd, bwd" in text and "~60 s" in text
+    assert "then the cross re-time of fwd, bwd" in text and "~48 s" in text  # 4 rungs
     assert "cross" not in tune.plan(TINY, SM90, name="tiny", kinds=("fwd", "bwd"),
                                     timeout_s=600, cross=False).describe()
 
