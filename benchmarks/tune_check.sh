@@ -33,8 +33,11 @@ case $part in
     [ -f "runs/$name-check.seconds" ] || { echo "no part 1 here (the machine was not warm)"; exit 3; }
     left=$(( 600 - $(cat "runs/$name-check.seconds") ))
     (( left > 0 )) || left=1
+    start=$(date +%s)
     "${tune[@]}" --timeout "${left}s" > "runs/$name-tune2.log" 2>&1
-    echo "tune part 2 (${left} s left): exit $?"
+    status=$? spent=$(( $(date +%s) - start ))
+    echo "tune part 2 (${left} s left): exit $status after $spent s;" \
+      "the tune took $(( $(cat "runs/$name-check.seconds") + spent )) s of 600 in all"
     grep -E "done in|cross|wrote|tune " "runs/$name-tune2.log" | tail -n 14
     cp "runs/$name-tune2.log" "$module" "$out/" 2>/dev/null || true
     timeout "${CHECK_S:-300}" python benchmarks/model_check.py "$module" --config "$config" \
