@@ -8,8 +8,10 @@
 #   bash benchmarks/tune_check.sh 2 benchmarks/configs/qwen2.5-7b.json   # the rest, export, check
 #
 # Part 2 resumes the tune with what is left of the 10 minutes (the finished searches are
-# skipped), then writes $OUT/<name>-tune-check.json (the rows and summary of model_check.py) and
-# copies the module and both logs to $OUT. Run part 1 again to start over.
+# skipped), then writes $OUT/<name>-tune-check.json (the rows and summary of model_check.py),
+# then the same shapes with the other mask and the other dtype, which the tune did not search
+# ($OUT/<name>-tune-check-{noncausal,fp16,...}.json; VARIANTS=0 skips them), and copies the
+# module and both logs to $OUT. Run part 1 again to start over.
 set -uo pipefail
 part=${1:?part 1 or 2}
 config=${2:?a model config.json}
@@ -42,6 +44,18 @@ case $part in
     cp "runs/$name-tune2.log" "$module" "$out/" 2>/dev/null || true
     timeout "${CHECK_S:-300}" python benchmarks/model_check.py "$module" --config "$config" \
       --shapes 20 --seed 0 --json "$out/$name-tune-check.json" 2>&1 | tail -n 22
+    # The variants the tune did not search, at the same shapes (VARIANTS=0 skips them): the
+    # other mask, then the other dtype.
+    if [ "${VARIANTS:-1}" = 1 ]; then
+      read -r causal dtype < <(python -c "from evoengine.geometry import from_config as f
+g = f('$config'); print('no' if g.causal else 'yes', 'bf16' if g.dtype == 'fp16' else 'fp16')")
+      for flags in "--causal $causal" "--dtype $dtype"; do
+        case $flags in "--causal no") tag=noncausal ;; "--causal yes") tag=causal ;;
+                       *) tag=${flags##* } ;; esac
+        timeout "${CHECK_S:-300}" python benchmarks/model_check.py "$module" --config "$config" \
+          --shapes 20 --seed 0 $flags --json "$out/$name-tune-check-$tag.json" 2>&1 | tail -n 1
+      done
+    fi
     ;;
   *) echo "part must be 1 or 2" >&2; exit 2 ;;
 esac
