@@ -47,13 +47,15 @@ case $part in
     # The variants the tune did not search, at the same shapes (VARIANTS=0 skips them): the
     # other mask, then the other dtype.
     if [ "${VARIANTS:-1}" = 1 ]; then
-      read -r causal dtype < <(python -c "from evoengine.geometry import from_config as f
-g = f('$config'); print('no' if g.causal else 'yes', 'bf16' if g.dtype == 'fp16' else 'fp16')")
-      for flags in "--causal $causal" "--dtype $dtype"; do
-        case $flags in "--causal no") tag=noncausal ;; "--causal yes") tag=causal ;;
-                       *) tag=${flags##* } ;; esac
+      python -c "from evoengine.geometry import from_config as f
+g = f('$config')
+print('--causal', *(('no', 'noncausal') if g.causal else ('yes', 'causal')))
+print('--dtype', *(('bf16',) if g.dtype == 'fp16' else ('fp16',)) * 2)" |
+      while read -r opt value tag; do
         timeout "${CHECK_S:-300}" python benchmarks/model_check.py "$module" --config "$config" \
-          --shapes 20 --seed 0 $flags --json "$out/$name-tune-check-$tag.json" 2>&1 | tail -n 1
+          --shapes 20 --seed 0 "$opt" "$value" --json "$out/$name-tune-check-$tag.json" \
+          < /dev/null 2>&1 |
+          tail -n 1
       done
     fi
     ;;
