@@ -7,14 +7,16 @@ current stream, so they order correctly with the surrounding torch work.
 
 from __future__ import annotations
 
+from typing import Self
+
 from evoengine.arch import Arch
 from evoengine.compile import CompileResult, compile_candidate
 from evoengine.launch import LOG2E, CudaKernel, Problem, check_inputs
 from evoengine.launch.varlen import CudaVarlenKernel
 from evoengine.render import Candidate
 
-__all__ = ["LOG2E", "Kernel", "NoGPUError", "Problem", "VarlenKernel", "check_inputs",
-           "compiled_cubin", "gpu_arch"]
+__all__ = ["LOG2E", "FromCandidate", "Kernel", "NoGPUError", "Problem", "VarlenKernel",
+           "check_inputs", "compiled_cubin", "gpu_arch"]
 
 
 class NoGPUError(RuntimeError):
@@ -40,42 +42,55 @@ def compiled_cubin(candidate: Candidate, compiled: CompileResult) -> bytes:
     return compiled.cubin
 
 
-def _kernel_args(candidate: Candidate, compiled: CompileResult) -> dict:
-    """What the forward launchers' kernel classes take, for a compiled candidate."""
-    return dict(arch=compiled.arch, cubin=compiled_cubin(candidate, compiled),
-                **CudaKernel.spec_args(candidate.spec()))
+class FromCandidate:
+    """What every launcher built from a compiled candidate shares (forward, varlen, backward,
+    decode), mixed in before the launcher class of ``evoengine.launch`` it builds: the candidate
+    checked against the class's kind (``refusal``), the launcher given the candidate's cubin and
+    spec, the candidate and its compile result kept, ``build`` from a candidate and a target.
+    A new kind of kernel is ``class XKernel(FromCandidate, CudaX)`` and its ``refusal``."""
 
-
-class Kernel(CudaKernel):
-    """One compiled candidate, loaded on the current device: ``kernel(q, k, v) -> out``."""
-
-    def __init__(self, candidate: Candidate, compiled: CompileResult) -> None:
-        import torch
-
-        super().__init__(candidate.identity, **_kernel_args(candidate, compiled))
-        self.candidate = candidate
-        self.compiled = compiled
-        self.load(torch.cuda.current_device())  # a bad cubin fails here, not mid-measurement
+    load_at_once = False  # load the cubin in the constructor: a bad one fails there
 
     @classmethod
-    def build(cls, candidate: Candidate, arch: Arch | str) -> Kernel:
+    def refusal(cls, candidate: Candidate) -> str | None:
+        """Why ``candidate`` is not of this class's kind (the end of a one-line error), or None."""
+        return None
+
+    def __init__(self, candidate: Candidate, compiled: CompileResult) -> None:
+        why = self.refusal(candidate)
+        if why:
+            raise ValueError(f"{candidate.identity} {why}")
+        super().__init__(candidate.identity, arch=compiled.arch,  # type: ignore[call-arg]
+                         cubin=compiled_cubin(candidate, compiled),
+                         **self.spec_args(candidate.spec()))  # type: ignore[attr-defined]
+        self.candidate = candidate
+        self.compiled = compiled
+        if self.load_at_once:
+            import torch
+
+            self.load(torch.cuda.current_device())  # type: ignore[attr-defined]
+
+    @classmethod
+    def build(cls, candidate: Candidate, arch: Arch | str) -> Self:
         return cls(candidate, compile_candidate(candidate, arch))
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.candidate.identity!r})"
 
-class VarlenKernel(CudaVarlenKernel):
+
+class Kernel(FromCandidate, CudaKernel):
+    """One compiled candidate, loaded on the current device: ``kernel(q, k, v) -> out``."""
+
+    load_at_once = True  # not mid-measurement
+
+
+class VarlenKernel(FromCandidate, CudaVarlenKernel):
     """One candidate compiled with VARLEN, loaded on the current device: ``kernel(q, k, v,
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> out`` on packed tensors."""
 
-    def __init__(self, candidate: Candidate, compiled: CompileResult) -> None:
-        import torch
-
-        if not candidate.problem.get("VARLEN"):
-            raise ValueError(f"{candidate.identity} is not compiled for ragged batches (VARLEN)")
-        super().__init__(candidate.identity, **_kernel_args(candidate, compiled))
-        self.candidate = candidate
-        self.compiled = compiled
-        self.load(torch.cuda.current_device())
+    load_at_once = True
 
     @classmethod
-    def build(cls, candidate: Candidate, arch: Arch | str) -> VarlenKernel:
-        return cls(candidate, compile_candidate(candidate, arch))
+    def refusal(cls, candidate: Candidate) -> str | None:
+        return (None if candidate.problem.get("VARLEN")
+                else "is not compiled for ragged batches (VARLEN)")
