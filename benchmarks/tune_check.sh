@@ -11,7 +11,9 @@
 # skipped), then writes $OUT/<name>-tune-check.json (the rows and summary of model_check.py),
 # then the same shapes with the other mask and the other dtype, which the tune did not search
 # ($OUT/<name>-tune-check-{noncausal,fp16,...}.json; VARIANTS=0 skips them), and copies the
-# module and both logs to $OUT. Run part 1 again to start over.
+# module, its log and its store (every candidate's time on every workload of the cross re-time;
+# it does not come back if over the device's 16 MiB a file) to $OUT. Part 1 copies its log.
+# Run part 1 again to start over.
 set -uo pipefail
 part=${1:?part 1 or 2}
 config=${2:?a model config.json}
@@ -41,7 +43,7 @@ case $part in
     echo "tune part 2 (${left} s left): exit $status after $spent s;" \
       "the tune took $(( $(cat "runs/$name-check.seconds") + spent )) s of 600 in all"
     grep -E "done in|cross|wrote|tune " "runs/$name-tune2.log" | tail -n 14
-    cp "runs/$name-tune2.log" "$module" "$out/" 2>/dev/null || true
+    cp "runs/$name-tune2.log" "$module" "$store" "$out/" 2>/dev/null || true
     timeout "${CHECK_S:-300}" python benchmarks/model_check.py "$module" --config "$config" \
       --shapes 20 --seed 0 --json "$out/$name-tune-check.json" 2>&1 | tail -n 22
     # The variants the tune did not search, at the same shapes (VARIANTS=0 skips them): the
