@@ -16,7 +16,7 @@ from evoengine.launch.varlen import CudaVarlenKernel
 from evoengine.render import Candidate
 
 __all__ = ["LOG2E", "FromCandidate", "Kernel", "NoGPUError", "Problem", "VarlenKernel",
-           "check_inputs", "compiled_cubin", "gpu_arch"]
+           "check_inputs", "gpu_arch"]
 
 
 class NoGPUError(RuntimeError):
@@ -34,20 +34,13 @@ def gpu_arch() -> Arch:
     return arch_of_capability(*torch.cuda.get_device_capability())
 
 
-def compiled_cubin(candidate: Candidate, compiled: CompileResult) -> bytes:
-    """The candidate's cubin; ``ValueError`` with the compiler's error where there is none.
-    Every launcher built from a candidate (forward, varlen, backward, decode) starts here."""
-    if not compiled.ok or compiled.cubin is None:
-        raise ValueError(f"{candidate.identity} did not compile: {compiled.error}")
-    return compiled.cubin
-
-
 class FromCandidate:
     """What every launcher built from a compiled candidate shares (forward, varlen, backward,
     decode), mixed in before the launcher class of ``evoengine.launch`` it builds: the candidate
-    checked against the class's kind (``refusal``), the launcher given the candidate's cubin and
-    spec, the candidate and its compile result kept, ``build`` from a candidate and a target.
-    A new kind of kernel is ``class XKernel(FromCandidate, CudaX)`` and its ``refusal``."""
+    checked against the class's kind (``refusal``) and for a cubin (a one-line ``ValueError``
+    with the compiler's error where there is none), the launcher given its cubin and spec, the
+    candidate and its compile result kept, ``build`` from a candidate and a target. A new kind
+    of kernel is ``class XKernel(FromCandidate, CudaX)`` and its ``refusal``."""
 
     load_at_once = False  # load the cubin in the constructor: a bad one fails there
 
@@ -60,8 +53,10 @@ class FromCandidate:
         why = self.refusal(candidate)
         if why:
             raise ValueError(f"{candidate.identity} {why}")
+        if not compiled.ok or compiled.cubin is None:
+            raise ValueError(f"{candidate.identity} did not compile: {compiled.error}")
         super().__init__(candidate.identity, arch=compiled.arch,  # type: ignore[call-arg]
-                         cubin=compiled_cubin(candidate, compiled),
+                         cubin=compiled.cubin,
                          **self.spec_args(candidate.spec()))  # type: ignore[attr-defined]
         self.candidate = candidate
         self.compiled = compiled
